@@ -1,0 +1,32 @@
+#pragma once
+
+#include "context.h"
+#include "model.h"
+
+#include <pybind11/pybind11.h>
+
+namespace hyspec {
+
+class Sampler {
+public:
+    Sampler(const Model & model, float temperature, int32_t top_k, float top_p, float min_p, float repeat_penalty,
+            float frequency_penalty, float presence_penalty, int32_t penalty_last_n, uint32_t seed);
+    Sampler(const Sampler & other);  // llama_sampler_clone: same history, same RNG state
+    Sampler & operator=(const Sampler &) = delete;
+    ~Sampler();
+
+    llama_token sample(Context & ctx, int64_t i);
+    void accept(int64_t token);
+    pybind11::tuple distribution(Context & ctx, int64_t i);
+    llama_sampler * chain() const { return chain_; }
+    bool greedy() const { return greedy_; }
+
+private:
+    llama_sampler * chain_ = nullptr;
+    int32_t n_vocab_;
+    bool greedy_;
+};
+
+void bind_sampler(pybind11::module_ & m);
+
+}  // namespace hyspec

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Fetch, verify and build the pinned llama.cpp tree, cached outside the clone.
+
+The pin is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python (see
+README "Building"). It is fetched with the ordinary pip client, sha256-checked, unpacked
+once into ``$HYSPEC_CACHE`` (default ``~/.cache/hyspec``) and built there, so a fresh
+clone, CI and rebuilds reuse it. ``LLAMA_CPP_DIR`` points at a checkout of your own instead.
+
+Sub-commands:
+  source   print the llama.cpp source directory (fetching it if needed)
+  libs     build + install static libllama/ggml (PIC) and print the install prefix
+  server   build llama-server from the same tree and print the binary's path
+
+Extra CMake arguments for llama.cpp (``-DGGML_CUDA=ON`` ...) are passed with ``--cmake-arg``
+or ``HYSPEC_LLAMA_CMAKE_ARGS``; each distinct set gets its own build directory.
+
+Standard library only: it runs before the project's virtualenv has anything in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+PIN_PACKAGE = "llama-cpp-python"
+PIN_VERSION = "0.3.36"
+PIN_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+PIN_COMMIT = "0c1e57098bba"
+SDIST_NAME = f"llama_cpp_python-{PIN_VERSION}.tar.gz"
+
+LIBS_ARGS = [
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DCMAKE_POSITION_INDEPENDENT_CODE=ON",
+    "-DLLAMA_BUILD_COMMON=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+]
+SERVER_ARGS = [
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+]
+
+
+def log(msg: str) -> None:
+    print(f"[llama.cpp] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HYSPEC_CACHE", Path.home() / ".cache" / "hyspec")).expanduser()
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_sdist(cache: Path) -> Path:
+    """Download the pinned sdist with pip (no host named: pip's configured index)."""
+    sdist = cache / "src" / SDIST_NAME
+    if sdist.exists() and sha256(sdist) == PIN_SHA256:
+        return sdist
+    sdist.parent.mkdir(parents=True, exist_ok=True)
+    log(f"downloading {PIN_PACKAGE}=={PIN_VERSION} sdist with pip (once)")
+    with tempfile.TemporaryDirectory(dir=sdist.parent) as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "--no-build-isolation", f"{PIN_PACKAGE}=={PIN_VERSION}", "-d", tmp],
+            check=True,
+        )
+        got = Path(tmp) / SDIST_NAME
+        actual = sha256(got)
+        if actual != PIN_SHA256:
+            raise SystemExit(f"sha256 mismatch for {SDIST_NAME}: got {actual}, want {PIN_SHA256}")
+        got.replace(sdist)
+    return sdist
+
+
+def source_dir() -> Path:
+    """The llama.cpp source: LLAMA_CPP_DIR, or the pinned tree unpacked in the cache."""
+    override = os.environ.get("LLAMA_CPP_DIR")
+    if override:
+        path = Path(override).expanduser().resolve()
+        if not (path / "include" / "llama.h").exists():
+            raise SystemExit(f"LLAMA_CPP_DIR={path} does not look like a llama.cpp checkout")
+        return path
+    cache = cache_dir()
+    dest = cache / f"llama.cpp-{PIN_COMMIT}"
+    if (dest / "include" / "llama.h").exists():
+        return dest
+    sdist = fetch_sdist(cache)
+    log(f"unpacking {sdist.name}")
+    prefix = f"llama_cpp_python-{PIN_VERSION}/vendor/llama.cpp/"
+    with tempfile.TemporaryDirectory(dir=cache) as tmp, tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        tar.extractall(tmp, members=members, filter="data")
+        shutil.move(str(Path(tmp) / prefix), dest)
+    return dest
+
+
+def build_key(kind: str, extra: list[str]) -> str:
+    """One build directory per kind and set of extra CMake arguments."""
+    extra_tag = hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "cpu"
+    return f"{kind}-{extra_tag}"
+
+
+def configured_source(build: Path) -> str | None:
+    cache = build / "CMakeCache.txt"
+    if not cache.exists():
+        return None
+    for line in cache.read_text(errors="replace").splitlines():
+        if line.startswith("CMAKE_HOME_DIRECTORY:"):
+            return line.split("=", 1)[1]
+    return None
+
+
+def cmake_build(kind: str, base_args: list[str], extra: list[str], targets: list[str], install: bool) -> Path:
+    src = source_dir()
+    key = build_key(kind, extra)
+    build = cache_dir() / "build" / key
+    prefix = cache_dir() / "prefix" / key
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    if configured_source(build) not in (None, str(src)):
+        log(f"{build} was configured for another llama.cpp tree: starting it afresh")
+        shutil.rmtree(build)
+    if not (build / "CMakeCache.txt").exists():
+        log(f"configuring {kind} build in {build} (first time: several minutes)")
+        subprocess.run(
+            ["cmake", "-S", str(src), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
+             f"-DCMAKE_INSTALL_PREFIX={prefix}", *base_args, *extra],
+            check=True, stdout=sys.stderr,
+        )
+    jobs = str(os.cpu_count() or 2)
+    cmd = ["cmake", "--build", str(build), "-j", jobs]
+    for target in targets:
+        cmd += ["--target", target]
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    if install:
+        subprocess.run(["cmake", "--install", str(build)], check=True, stdout=subprocess.DEVNULL)
+        return prefix
+    return build
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["source", "libs", "server"])
+    parser.add_argument("--cmake-arg", action="append", default=[], help="extra CMake argument for llama.cpp")
+    parser.add_argument("--out", type=Path, help="also write the printed path to this file")
+    args = parser.parse_args()
+    extra = shlex.split(os.environ.get("HYSPEC_LLAMA_CMAKE_ARGS", "")) + [a for a in args.cmake_arg if a]
+    if args.command == "source":
+        result = source_dir()
+    elif args.command == "libs":
+        result = cmake_build("libs", LIBS_ARGS, extra, [], install=True)
+    else:
+        result = cmake_build("server", SERVER_ARGS, extra, ["llama-server"], install=False) / "bin" / "llama-server"
+    print(result)
+    if args.out:
+        args.out.write_text(str(result))
+
+
+if __name__ == "__main__":
+    main()
