@@ -1,0 +1,229 @@
+"""The engine: loads the models, validates requests and runs them on one worker thread.
+
+Requests arrive from any thread (or an asyncio loop) through submit(); the Scheduler owns
+the native contexts on its own thread; events come back through each RequestHandle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hyspec import __version__
+from hyspec._native import Context, HyspecError, Model, Sampler, TemplateError
+from hyspec.drafters import Drafter
+from hyspec.drafters.draft_model import DraftModelDrafter, check_same_vocab
+from hyspec.drafters.ngram import NgramDrafter
+from hyspec.handle import RequestHandle
+from hyspec.output import OutputStream
+from hyspec.rollback import SeqRollback, probe_rollback
+from hyspec.scheduler import Job, Scheduler
+from hyspec.types import ErrorCode, FinishReason, GenerationRequest, RequestError, Result, SpecMode
+
+log = logging.getLogger("hyspec.engine")
+
+MAX_DRAFT = 64
+
+
+@dataclass
+class EngineConfig:
+    model: Path
+    draft: Path | None = None
+    spec: SpecMode | None = None  # None: draft when a draft model is given, else n-gram
+    draft_min: int = 0
+    draft_max: int = 8
+    slots: int = 1
+    ctx: int = 4096  # tokens per slot
+    threads: int = 0  # 0: every core
+    batch: int = 512
+    max_queue: int = 64
+    progress: bool = False
+
+
+def _load(path: Path, progress: bool) -> Model:
+    if not progress:
+        return Model(str(path))
+    from tqdm import tqdm
+
+    with tqdm(total=100, desc=f"loading {Path(path).name}", unit="%", leave=False) as bar:
+        def update(fraction: float) -> None:
+            bar.update(round(fraction * 100) - bar.n)
+
+        return Model(str(path), progress=update)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.slots < 1:
+            raise ValueError("slots must be at least 1")
+        if config.ctx < 8:
+            raise ValueError("ctx must be at least 8 tokens")
+        if not 0 <= config.draft_min <= config.draft_max <= MAX_DRAFT:
+            raise ValueError(f"need 0 <= draft-min <= draft-max <= {MAX_DRAFT}")
+        self.config = config
+        threads = config.threads or os.cpu_count() or 1
+        self.model = _load(config.model, config.progress)
+        self.draft_model = _load(config.draft, config.progress) if config.draft else None
+        if self.draft_model is not None:
+            check_same_vocab(self.model, self.draft_model)
+        self.default_spec = config.spec or (SpecMode.DRAFT if self.draft_model else SpecMode.NGRAM)
+        if self.default_spec is SpecMode.DRAFT and self.draft_model is None:
+            raise ValueError("--spec draft needs a draft model (--draft PATH)")
+        self.ctx = Context(self.model, n_ctx=config.ctx * config.slots, n_batch=config.batch,
+                           n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads)
+        self.n_ctx_seq = self.ctx.n_ctx_seq
+        self.rollback_method = probe_rollback(self.ctx)
+        drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter()}
+        if self.draft_model is not None:
+            drafters[SpecMode.DRAFT] = DraftModelDrafter(
+                self.draft_model, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,
+                n_threads=threads)
+        self.scheduler = Scheduler(target=self.ctx, rollback=SeqRollback(self.ctx, self.rollback_method),
+                                   drafters=drafters, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq,
+                                   n_batch=config.batch)
+        self._accepting = True
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self.scheduler.run, name="hyspec-worker", daemon=True)
+        self._thread.start()
+        log.info("engine ready: %s (%s, rollback %s), %d slot(s) x %d tokens, speculation %s",
+                 config.model, self.model.arch, self.rollback_method.value, config.slots, self.n_ctx_seq,
+                 self.default_spec.value)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Validate and queue a request. Raises RequestError (never blocks on the worker)."""
+        with self._lock:
+            if not self._accepting:
+                raise RequestError(ErrorCode.UNAVAILABLE, "the server is shutting down")
+            if self.scheduler.busy >= self.config.slots + self.config.max_queue:
+                raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                                   f"the queue is full ({self.config.max_queue} waiting); retry later")
+            job = self._job(request, RequestHandle(request.request_id, self.scheduler.cancel, loop))
+            self.scheduler.submit(job)
+        return job.handle
+
+    def generate(self, request: GenerationRequest) -> Result:
+        """Run one request to the end (blocking)."""
+        return self.submit(request).result()
+
+    def _job(self, request: GenerationRequest, handle: RequestHandle) -> Job:
+        invalid = ErrorCode.INVALID_ARGUMENT
+        prompt = self._prompt(request)
+        if request.max_tokens <= 0:
+            raise RequestError(invalid, "max_tokens must be positive")
+        if len(prompt) > self.n_ctx_seq:
+            raise RequestError(ErrorCode.OUT_OF_RANGE,
+                               f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx_seq}")
+        for token in request.stop_token_ids:
+            self._check_token(token, "stop_token_ids")
+        spec = request.spec.mode or self.default_spec
+        if spec is SpecMode.DRAFT and self.draft_model is None:
+            raise RequestError(invalid, "speculation mode 'draft' needs a server started with a draft model")
+        draft_min = self.config.draft_min if request.spec.draft_min is None else request.spec.draft_min
+        draft_max = self.config.draft_max if request.spec.draft_max is None else request.spec.draft_max
+        if not 0 <= draft_min <= draft_max <= MAX_DRAFT:
+            raise RequestError(invalid, f"need 0 <= draft_min <= draft_max <= {MAX_DRAFT}")
+        s = request.sampling
+        seed = s.seed if s.seed is not None else random.getrandbits(32)
+        if not 0 <= seed < 2**32:
+            raise RequestError(invalid, "seed must be in [0, 2^32)")
+        try:
+            sampler = Sampler(self.model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                              repeat_penalty=s.repeat_penalty, frequency_penalty=s.frequency_penalty,
+                              presence_penalty=s.presence_penalty, penalty_last_n=s.penalty_last_n, seed=seed)
+        except (ValueError, TypeError) as e:
+            raise RequestError(invalid, str(e)) from e
+        output = OutputStream(self.model, max_tokens=request.max_tokens, stop=request.stop,
+                              stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos)
+        return Job(handle=handle, prompt=prompt, sampling=s, sampler=sampler, output=output, spec=spec,
+                   draft_min=draft_min, draft_max=draft_max, t_submit=time.perf_counter())
+
+    def _prompt(self, request: GenerationRequest) -> list[int]:
+        invalid = ErrorCode.INVALID_ARGUMENT
+        given = [x for x in (request.text, request.token_ids, request.chat) if x is not None]
+        if len(given) != 1:
+            raise RequestError(invalid, "give exactly one prompt: text, token_ids or chat")
+        if request.text is not None:
+            if not request.text:
+                raise RequestError(invalid, "the prompt is empty")
+            return self.model.tokenize(request.text, add_special=True, parse_special=False)
+        if request.token_ids is not None:
+            if not request.token_ids:
+                raise RequestError(invalid, "the prompt is empty")
+            for token in request.token_ids:
+                self._check_token(token, "token_ids")
+            return list(request.token_ids)
+        try:
+            text = self.model.apply_chat_template(list(request.chat or []), add_assistant=True)
+        except (TemplateError, ValueError) as e:
+            raise RequestError(invalid, str(e)) from e
+        return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def _check_token(self, token: int, field: str) -> None:
+        if not 0 <= token < self.model.n_vocab:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT,
+                               f"{field}: token id {token} is outside the vocabulary [0, {self.model.n_vocab})")
+
+    # -- model services --------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        try:
+            return self.model.detokenize(list(token_ids))
+        except HyspecError as e:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
+
+    def info(self) -> dict:
+        def describe(model: Model | None, path: Path | None) -> dict | None:
+            if model is None:
+                return None
+            return {"path": str(path), "arch": model.arch, "is_hybrid": model.is_hybrid,
+                    "is_recurrent": model.is_recurrent, "n_vocab": model.n_vocab, "n_ctx_train": model.n_ctx_train}
+
+        modes = [SpecMode.OFF.value, SpecMode.NGRAM.value] + ([SpecMode.DRAFT.value] if self.draft_model else [])
+        return {"target": describe(self.model, self.config.model),
+                "draft": describe(self.draft_model, self.config.draft),
+                "ctx": self.n_ctx_seq, "slots": self.config.slots, "spec_modes": modes,
+                "default_spec": self.default_spec.value, "rollback": self.rollback_method.value,
+                "version": __version__}
+
+    def warmup(self) -> None:
+        """One short generation through the whole path; raises if it fails."""
+        prompt = [self.model.bos] if self.model.bos is not None else [0]
+        result = self.generate(GenerationRequest(token_ids=prompt, max_tokens=2, ignore_eos=True))
+        if result.finish_reason is FinishReason.CANCELLED:
+            raise RuntimeError("warm-up generation failed")
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def close(self, grace: float | None = None) -> None:
+        """Stop accepting, let running requests finish for up to ``grace`` seconds (None: wait
+        for them), cancel the rest and stop the worker."""
+        with self._lock:
+            self._accepting = False
+        if not self._thread.is_alive():
+            return
+        deadline = None if grace is None else time.monotonic() + grace
+        while self.scheduler.busy and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
+        self.scheduler.stop()
+        self._thread.join()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(grace=0)

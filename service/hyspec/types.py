@@ -1,0 +1,126 @@
+"""The engine's request, event and result types: the narrow interface the CLI and gRPC use."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+
+class SpecMode(str, enum.Enum):
+    OFF = "off"
+    DRAFT = "draft"
+    NGRAM = "ngram"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-generation token, stop string or stop token id
+    LENGTH = "length"  # max_tokens reached or the context is full
+    CANCELLED = "cancelled"  # cancelled by the client, a deadline or shutdown
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a request was refused; the gRPC layer maps these to status codes of the same name."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+class RequestError(Exception):
+    """A request the engine will not run, with the status code a client should see."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None  # None: a random seed
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+@dataclass
+class SpecParams:
+    """Per-request speculation; None fields take the server's defaults."""
+
+    mode: SpecMode | None = None
+    draft_min: int | None = None
+    draft_max: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """Exactly one of text, token_ids or chat is the prompt."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[dict[str, str]] | None = None
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    spec: SpecParams = field(default_factory=SpecParams)
+    request_id: str = ""
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    rollbacks: int = 0
+    replayed_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    tokens_per_second: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Chunk:
+    """Tokens produced by one engine step (speculation emits several) and their text."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Result:
+    """The terminal event of a request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: Stats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason.value,
+            "stats": self.stats.to_dict(),
+        }
