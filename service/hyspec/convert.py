@@ -161,6 +161,14 @@ def error_to_proto(code: grpc.StatusCode, message: str) -> Any:
     return pb2.Error(code=code.value[0], message=message)
 
 
+_STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_from_number(number: int) -> grpc.StatusCode:
+    """The gRPC status with this number (Error.code), UNKNOWN for numbers grpc does not know."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def error_code(code: grpc.StatusCode) -> ErrorCode:
     """The engine error code closest to a gRPC status (for clients raising RequestError)."""
     try:

@@ -135,7 +135,8 @@ def load() -> tuple[ModuleType, ModuleType]:
     """The generated modules ``(hyspec_pb2, hyspec_pb2_grpc)``, generating them first if needed."""
     ensure_stubs()
     importlib.invalidate_caches()  # the files may be newer than this process's import caches
-    return importlib.import_module(f"{PACKAGE}.hyspec_pb2"), importlib.import_module(f"{PACKAGE}.hyspec_pb2_grpc")
+    pb2 = importlib.import_module(f"{PACKAGE}.hyspec_pb2")
+    return pb2, importlib.import_module(f"{PACKAGE}.hyspec_pb2_grpc")
 
 
 def main() -> int:

@@ -1,0 +1,5 @@
+import sys
+
+from hyspec.cli import main
+
+sys.exit(main())

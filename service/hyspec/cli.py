@@ -1,0 +1,214 @@
+"""The `hyspec` command. Every flag has an environment twin: --draft-max is HYSPEC_DRAFT_MAX."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hyspec._native import HyspecError
+from hyspec.types import (
+    Chunk,
+    GenerationRequest,
+    RequestError,
+    Result,
+    SamplingParams,
+    SpecMode,
+    SpecParams,
+)
+
+log = logging.getLogger("hyspec")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, exit code 2: the contract for every bad flag or request.
+        self.exit(2, f"hyspec: error: {message}\n")
+
+
+def _flag(group: argparse._ActionsContainer, name: str, *, type: Callable[[str], Any] = str,
+          default: Any = None, help: str, **kwargs: Any) -> None:
+    env = "HYSPEC_" + name.lstrip("-").upper().replace("-", "_")
+    raw = os.environ.get(env)
+    if raw is not None:
+        if kwargs.get("action") == "store_true":
+            default = raw.lower() in ("1", "true", "yes", "on")
+        elif kwargs.get("action") == "append":
+            default = [raw]
+        else:
+            try:
+                default = type(raw)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise SystemExit(f"hyspec: error: {env}={raw!r}: {e}") from None
+    if kwargs.get("action") == "store_true":
+        group.add_argument(name, default=default, help=f"{help} [{env}]", **kwargs)
+    else:
+        group.add_argument(name, type=type, default=default, help=f"{help} [{env}]", **kwargs)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _engine_flags(p: argparse.ArgumentParser, slots: int, log_level: str) -> None:
+    g = p.add_argument_group("model and speculation")
+    _flag(g, "--model", type=Path, help="target GGUF (default: Gemma 3 270M from its PyPI package)")
+    _flag(g, "--draft", type=Path, help="draft GGUF sharing the target's vocabulary")
+    _flag(g, "--spec", type=SpecMode, choices=list(SpecMode),
+          help="speculation: off, draft or ngram (default: draft with --draft, else ngram)")
+    _flag(g, "--draft-max", type=_non_negative, default=8, help="most draft tokens per step")
+    _flag(g, "--draft-min", type=_non_negative, default=0, help="fewest draft tokens worth verifying")
+    _flag(g, "--slots", type=_positive, default=slots, help="concurrent sequences")
+    _flag(g, "--ctx", type=_positive, default=4096, help="context tokens per slot")
+    _flag(g, "--threads", type=_non_negative, default=0, help="CPU threads (0: all cores)")
+    _flag(g, "--batch", type=_positive, default=512, help="most tokens per decode")
+    _flag(g, "--log-level", default=log_level, choices=["debug", "info", "warning", "error"], help="log level")
+
+
+def _request_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("request")
+    _flag(g, "--prompt", help="prompt text", required=not os.environ.get("HYSPEC_PROMPT"))
+    _flag(g, "--max-tokens", type=int, default=128, help="most tokens to generate")
+    _flag(g, "--temperature", type=float, default=0.0, help="0 = greedy")
+    _flag(g, "--top-k", type=int, default=0, help="0 = off")
+    _flag(g, "--top-p", type=float, default=1.0, help="1 = off")
+    _flag(g, "--min-p", type=float, default=0.0, help="0 = off")
+    _flag(g, "--seed", type=int, help="sampling seed (default: random)")
+    _flag(g, "--stop", action="append", help="stop string (repeatable)")
+    _flag(g, "--ignore-eos", action="store_true", help="keep going past end-of-generation tokens")
+    _flag(g, "--json", action="store_true", help="print one JSON object instead of streaming text")
+    _flag(g, "--server", help="send the request to a running hyspec server (host:port or unix:PATH)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hyspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text, in-process or through a server")
+    _engine_flags(gen, slots=1, log_level="warning")
+    _request_flags(gen)
+
+    srv = sub.add_parser("serve", help="run the gRPC server")
+    _engine_flags(srv, slots=4, log_level="info")
+    g = srv.add_argument_group("server")
+    _flag(g, "--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    _flag(g, "--port", type=_non_negative, default=50051, help="TCP port (0: any free port)")
+    _flag(g, "--unix", help="also listen on this unix socket path")
+    _flag(g, "--max-queue", type=_non_negative, default=64,
+          help="requests waiting for a slot before RESOURCE_EXHAUSTED")
+    _flag(g, "--grace", type=float, default=30.0, help="seconds running requests get at shutdown")
+
+    mk = sub.add_parser("make-model", help="write a deterministic random-weight GGUF for tests and benchmarks")
+    _flag(mk, "--arch", default="lfm2", choices=["lfm2", "llama"], help="lfm2 (hybrid) or llama (attention)")
+    _flag(mk, "--preset", default="tiny", choices=["tiny", "lfm2-350m", "lfm2-1.2b"], help="shape")
+    _flag(mk, "--out", type=Path, required=True, help="output path")
+    _flag(mk, "--seed", type=int, default=0, help="weights seed")
+    _flag(mk, "--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"], help="tensor type")
+    _flag(mk, "--logit-scale", type=float, default=None, help="output sharpness (default: the generator's)")
+    return parser
+
+
+def _engine_config(args: argparse.Namespace, max_queue: int = 64, progress: bool = True) -> Any:
+    from hyspec.engine import EngineConfig
+
+    model = args.model
+    if model is None:
+        from hyspec.gemma import gemma_path
+
+        model = gemma_path(progress=progress)
+    return EngineConfig(model=model, draft=args.draft, spec=args.spec, draft_min=args.draft_min,
+                        draft_max=args.draft_max, slots=args.slots, ctx=args.ctx, threads=args.threads,
+                        batch=args.batch, max_queue=max_queue, progress=progress)
+
+
+def _request(args: argparse.Namespace) -> GenerationRequest:
+    return GenerationRequest(
+        text=args.prompt, max_tokens=args.max_tokens,
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                min_p=args.min_p, seed=args.seed),
+        stop=args.stop or [], ignore_eos=args.ignore_eos,
+        spec=SpecParams(mode=args.spec, draft_min=args.draft_min, draft_max=args.draft_max))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    request = _request(args)
+    stream = None if args.json else sys.stdout
+    if args.server:
+        from hyspec.client import generate_remote
+
+        result = generate_remote(args.server, request, stream_to=stream)
+    else:
+        from hyspec.engine import Engine
+
+        with Engine(_engine_config(args, progress=sys.stderr.isatty())) as engine:
+            handle = engine.submit(request)
+            result: Result | None = None
+            for event in handle:
+                if isinstance(event, Chunk):
+                    if stream is not None:
+                        stream.write(event.text)
+                        stream.flush()
+                else:
+                    result = event
+            assert result is not None
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        s = result.stats
+        rate = s.accepted / s.drafted if s.drafted else 0.0
+        print(f"\n[{result.finish_reason.value}] {s.completion_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
+              f"accepted {s.accepted}/{s.drafted} ({rate:.0%}), ttft {s.ttft_ms:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hyspec.server import run_server
+
+    return run_server(_engine_config(args, max_queue=args.max_queue), host=args.host, port=args.port,
+                      unix=args.unix, grace=args.grace)
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from hyspec.modelgen import DEFAULT_LOGIT_SCALE, make_model
+
+    scale = DEFAULT_LOGIT_SCALE if args.logit_scale is None else args.logit_scale
+    path = make_model(args.out, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.type,
+                      logit_scale=scale, progress=sys.stderr.isatty())
+    print(path)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "warning")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {"generate": _generate, "serve": _serve, "make-model": _make_model}
+    try:
+        return commands[args.command](args)
+    except RequestError as e:
+        print(f"hyspec: error: {e.code.value}: {e.message}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, ImportError, HyspecError) as e:
+        print(f"hyspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
