@@ -59,7 +59,9 @@ def _load(path: Path, progress: bool) -> Model:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, drafter_overrides: dict[SpecMode, Drafter] | None = None) -> None:
+        """Load the models and start the worker. ``drafter_overrides`` replaces the drafter
+        of a mode (the benchmark's controlled-acceptance drafter plugs in this way)."""
         if config.slots < 1:
             raise ValueError("slots must be at least 1")
         if config.ctx < 8:
@@ -72,9 +74,6 @@ class Engine:
         self.draft_model = _load(config.draft, config.progress) if config.draft else None
         if self.draft_model is not None:
             check_same_vocab(self.model, self.draft_model)
-        self.default_spec = config.spec or (SpecMode.DRAFT if self.draft_model else SpecMode.NGRAM)
-        if self.default_spec is SpecMode.DRAFT and self.draft_model is None:
-            raise ValueError("--spec draft needs a draft model (--draft PATH)")
         self.ctx = Context(self.model, n_ctx=config.ctx * config.slots, n_batch=config.batch,
                            n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads)
         self.n_ctx_seq = self.ctx.n_ctx_seq
@@ -84,6 +83,10 @@ class Engine:
             drafters[SpecMode.DRAFT] = DraftModelDrafter(
                 self.draft_model, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,
                 n_threads=threads)
+        drafters.update(drafter_overrides or {})
+        self.default_spec = config.spec or (SpecMode.DRAFT if SpecMode.DRAFT in drafters else SpecMode.NGRAM)
+        if self.default_spec not in drafters and self.default_spec is not SpecMode.OFF:
+            raise ValueError("--spec draft needs a draft model (--draft PATH)")
         self.scheduler = Scheduler(target=self.ctx, rollback=SeqRollback(self.ctx, self.rollback_method),
                                    drafters=drafters, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq,
                                    n_batch=config.batch)
@@ -124,7 +127,7 @@ class Engine:
         for token in request.stop_token_ids:
             self._check_token(token, "stop_token_ids")
         spec = request.spec.mode or self.default_spec
-        if spec is SpecMode.DRAFT and self.draft_model is None:
+        if spec is not SpecMode.OFF and spec not in self.scheduler.drafters:
             raise RequestError(invalid, "speculation mode 'draft' needs a server started with a draft model")
         draft_min = self.config.draft_min if request.spec.draft_min is None else request.spec.draft_min
         draft_max = self.config.draft_max if request.spec.draft_max is None else request.spec.draft_max
@@ -189,7 +192,7 @@ class Engine:
             return {"path": str(path), "arch": model.arch, "is_hybrid": model.is_hybrid,
                     "is_recurrent": model.is_recurrent, "n_vocab": model.n_vocab, "n_ctx_train": model.n_ctx_train}
 
-        modes = [SpecMode.OFF.value, SpecMode.NGRAM.value] + ([SpecMode.DRAFT.value] if self.draft_model else [])
+        modes = [SpecMode.OFF.value] + [mode.value for mode in self.scheduler.drafters]
         return {"target": describe(self.model, self.config.model),
                 "draft": describe(self.draft_model, self.config.draft),
                 "ctx": self.n_ctx_seq, "slots": self.config.slots, "spec_modes": modes,
