@@ -39,6 +39,13 @@ def tiny_lfm2_other(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_lfm2_echo(model_dir: Path) -> Path:
+    """A hybrid whose large embedding makes it echo its input: repetitive output, where
+    n-gram lookup has something to find."""
+    return _model(model_dir, "lfm2-echo", arch="lfm2", preset="tiny", seed=2, embed_std=1.0)
+
+
+@pytest.fixture(scope="session")
 def tiny_lfm2_q8(model_dir: Path) -> Path:
     """The seed-1 model quantized to Q8_0: a draft that agrees often, not always."""
     return _model(model_dir, "lfm2-s1-q8", arch="lfm2", preset="tiny", seed=1, dtype="q8_0")

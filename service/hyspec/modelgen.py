@@ -81,8 +81,14 @@ _ROPE_FREQ_BASE = 1_000_000.0
 _RMS_EPS = 1e-5
 _SHORTCONV_L_CACHE = 3
 # Small next to the residual updates of the blocks (std ~1 each): with a tied output, a large
-# embedding would make every token predict itself and the text collapse into repetition.
-_EMBED_STD = 0.02
+# embedding makes every token predict itself and the text collapse into repetition (which
+# is what n-gram drafting tests want from a random model: make_model(embed_std=1.0)).
+DEFAULT_EMBED_STD = 0.02
+# ChatML, as LFM2's own template: llama.cpp's built-in formatter recognises it.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 # Generate big tensors in row blocks of about this many values to keep memory flat.
 _CHUNK_VALUES = 1 << 24
 
@@ -210,14 +216,14 @@ def _norm(name: str, size: int, gain: float = 1.0) -> _Tensor:
     return _Tensor(name, (size,), fill=gain, keep_f32=True)
 
 
-def _tensors(arch: str, shape: ModelShape, n_vocab: int, logit_scale: float) -> list[_Tensor]:
+def _tensors(arch: str, shape: ModelShape, n_vocab: int, logit_scale: float, embed_std: float) -> list[_Tensor]:
     n_embd, n_kv = shape.n_embd, shape.n_head_kv * shape.head_dim
     # The output projection is tied to the embedding, so the logits are scaled by the output
     # norm's gain: the logits over the vocabulary come out with std ~logit_scale, and the
     # input embeddings stay as they are.
-    output_gain = logit_scale / (_EMBED_STD * math.sqrt(n_embd))
+    output_gain = logit_scale / (embed_std * math.sqrt(n_embd))
     output_norm = "token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"
-    out = [_Tensor("token_embd.weight", (n_vocab, n_embd), std=_EMBED_STD)]
+    out = [_Tensor("token_embd.weight", (n_vocab, n_embd), std=embed_std)]
     for i in range(shape.n_layer):
         blk = f"blk.{i}"
         out.append(_norm(f"{blk}.attn_norm.weight", n_embd))
@@ -282,6 +288,7 @@ def _write(
     seed: int,
     dtype: str,
     logit_scale: float,
+    embed_std: float,
     tokenizer: list[_KeyValue],
     progress: bool,
 ) -> None:
@@ -291,16 +298,17 @@ def _write(
 
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"hyspec-random-{arch}-{preset}")
-    writer.add_description(f"random weights: seed={seed} logit_scale={logit_scale}")
+    writer.add_description(f"random weights: seed={seed} logit_scale={logit_scale} embed_std={embed_std}")
     writer.add_file_type(file_type)
     if dtype.startswith("q"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hparams(writer, arch, shape, n_vocab)
     for kv in tokenizer:
         writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
+    writer.add_chat_template(CHAT_TEMPLATE)
 
     stored: list[tuple[_Tensor, GGMLQuantizationType, int]] = []
-    for t in _tensors(arch, shape, n_vocab, logit_scale):
+    for t in _tensors(arch, shape, n_vocab, logit_scale, embed_std):
         t_qtype = GGMLQuantizationType.F32 if t.keep_f32 else qtype
         nbytes = math.prod(quant_shape_to_byte_shape(t.shape, t_qtype))
         # Logical (numpy-order) shape; raw_dtype names the stored type.
@@ -336,12 +344,15 @@ def make_model(
     seed: int = 0,
     dtype: str = "f32",
     logit_scale: float = DEFAULT_LOGIT_SCALE,
+    embed_std: float = DEFAULT_EMBED_STD,
     progress: bool = True,
 ) -> Path:
     """Write a random-weight GGUF model to ``out`` (atomically) and return ``out``.
 
     ``logit_scale`` is the standard deviation of the logits over the vocabulary: random
     weights otherwise give flat logits whose near-ties flip between batch shapes.
+    ``embed_std`` is the token embedding's spread; around 1.0 the model echoes its input
+    and its output repeats. Every file carries a ChatML chat template.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -357,7 +368,7 @@ def make_model(
     # concurrent writers of the same file don't collide.
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        _write(tmp, arch, preset, seed, dtype, logit_scale, tokenizer, progress)
+        _write(tmp, arch, preset, seed, dtype, logit_scale, embed_std, tokenizer, progress)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,0 +1,456 @@
+"""The speculative engine: exactness against plain decoding, rollback, finishing, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from exactness import assert_same_or_tie
+from hyspec.engine import Engine, EngineConfig
+from hyspec.output import OutputStream
+from hyspec.types import (
+    Chunk,
+    ErrorCode,
+    FinishReason,
+    GenerationRequest,
+    RequestError,
+    Result,
+    SamplingParams,
+    SpecMode,
+    SpecParams,
+)
+
+# Prompts as token ids (the tiny models' byte-level BPE vocabulary), so that the tie check
+# can replay exactly what the engine saw.
+PROMPTS = [
+    [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13],
+    [128000, 40, 1093, 311, 1373, 264, 2363],
+    [128000, 9906, 1917, 0, 1115, 374, 264, 1296, 315, 279, 22695, 6067, 13, 578, 1917],
+    [128000, 32, 426, 356, 423, 469, 435, 480, 473, 358, 622, 735, 445, 386, 452],
+]
+# A prompt that repeats itself, so that n-gram lookup finds something to propose.
+REPEATING = [128000] + [220, 16, 11, 220, 17, 11, 220, 18, 11, 220, 19, 11] * 6
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_engine() -> Iterator[EngineFactory]:
+    engines: list[Engine] = []
+
+    def factory(model: Path, **kwargs: object) -> Engine:
+        engine = Engine(EngineConfig(model=model, threads=2, ctx=kwargs.pop("ctx", 512), **kwargs))  # type: ignore[arg-type]
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.close(grace=0)
+
+
+def request(prompt: list[int], mode: SpecMode, max_tokens: int = 48, **spec: int) -> GenerationRequest:
+    return GenerationRequest(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
+                             spec=SpecParams(mode=mode, **spec))
+
+
+def plain(engine: Engine, prompt: list[int], max_tokens: int = 48) -> Result:
+    return engine.generate(request(prompt, SpecMode.OFF, max_tokens))
+
+
+def acceptance(result: Result) -> float:
+    return result.stats.accepted / result.stats.drafted
+
+
+# -- draft models ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["tiny_lfm2", "tiny_llama"])
+def test_self_draft_accepts_everything_and_never_rolls_back(target: str, request_: pytest.FixtureRequest,
+                                                           make_engine: EngineFactory) -> None:
+    path = request_.getfixturevalue(target)
+    engine = make_engine(path, draft=path, draft_max=4)
+    for prompt in PROMPTS[:2]:
+        reference = plain(engine, prompt)
+        spec = engine.generate(request(prompt, SpecMode.DRAFT))
+        assert_same_or_tie(path, prompt, reference.token_ids, spec.token_ids)
+        assert spec.stats.drafted > 0 and spec.stats.accepted == spec.stats.drafted
+        assert spec.stats.rollbacks == 0 and spec.stats.replayed_tokens == 0
+
+
+@pytest.fixture
+def request_(request: pytest.FixtureRequest) -> pytest.FixtureRequest:
+    return request
+
+
+@pytest.mark.parametrize("target,draft,low,high", [
+    ("tiny_lfm2", "tiny_lfm2_other", 0.0, 0.1),  # a stranger: almost never agrees
+    ("tiny_lfm2", "tiny_lfm2_q8", 0.2, 0.99),  # a quantized copy: agrees often, not always
+    ("tiny_llama", "tiny_llama_q8", 0.2, 0.99),
+])
+def test_draft_model_output_equals_plain_output(target: str, draft: str, low: float, high: float,
+                                                request_: pytest.FixtureRequest, make_engine: EngineFactory) -> None:
+    target_path, draft_path = request_.getfixturevalue(target), request_.getfixturevalue(draft)
+    engine = make_engine(target_path, draft=draft_path, draft_max=4)
+    drafted = accepted = rollbacks = 0
+    for prompt in PROMPTS:
+        reference = plain(engine, prompt)
+        spec = engine.generate(request(prompt, SpecMode.DRAFT))
+        assert_same_or_tie(target_path, prompt, reference.token_ids, spec.token_ids)
+        drafted += spec.stats.drafted
+        accepted += spec.stats.accepted
+        rollbacks += spec.stats.rollbacks
+    assert rollbacks > 0, "partial acceptance must have exercised the rollback"
+    assert low <= accepted / drafted <= high
+
+
+@pytest.mark.parametrize("draft_max", [1, 2, 4, 8, 16])
+def test_every_draft_length_gives_the_plain_output(draft_max: int, tiny_lfm2: Path, tiny_lfm2_q8: Path,
+                                                   make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, draft_max=draft_max)
+    prompt = PROMPTS[2]
+    reference = plain(engine, prompt, max_tokens=64)
+    spec = engine.generate(request(prompt, SpecMode.DRAFT, max_tokens=64))
+    assert_same_or_tie(tiny_lfm2, prompt, reference.token_ids, spec.token_ids)
+    assert spec.stats.rollbacks > 0
+    assert len(spec.stats.accepted_by_position) == draft_max
+    assert sum(spec.stats.accepted_by_position) == spec.stats.accepted
+    # Hybrid rollback restores a checkpoint and replays what was accepted.
+    assert spec.stats.replayed_tokens >= spec.stats.rollbacks
+
+
+def test_attention_target_rolls_back_without_replay(tiny_llama: Path, tiny_llama_q8: Path,
+                                                    make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_llama, draft=tiny_llama_q8, draft_max=4)
+    assert engine.info()["rollback"] == "seq_rm"
+    spec = engine.generate(request(PROMPTS[0], SpecMode.DRAFT))
+    assert spec.stats.rollbacks > 0 and spec.stats.replayed_tokens == 0
+
+
+def test_hybrid_draft_keeps_its_own_rollback(tiny_lfm2: Path, tiny_lfm2_q8: Path, make_engine: EngineFactory) -> None:
+    """Without rolling back its recurrent state the draft drifts and acceptance collapses
+    after the first rejection (REFERENCE section 4); with it, acceptance stays high late in
+    the output too."""
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, draft_max=4, ctx=1024)
+    spec = engine.generate(request(PROMPTS[1], SpecMode.DRAFT, max_tokens=160))
+    assert spec.stats.rollbacks >= 3
+    assert acceptance(spec) > 0.3
+
+
+# -- n-gram -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["tiny_lfm2_echo", "tiny_llama"])
+def test_ngram_output_equals_plain_output(target: str, request_: pytest.FixtureRequest,
+                                          make_engine: EngineFactory) -> None:
+    path = request_.getfixturevalue(target)
+    engine = make_engine(path, draft_max=6)
+    drafted = accepted = rollbacks = 0
+    for prompt in PROMPTS + [REPEATING]:
+        reference = plain(engine, prompt, max_tokens=64)
+        spec = engine.generate(request(prompt, SpecMode.NGRAM, max_tokens=64))
+        assert_same_or_tie(path, prompt, reference.token_ids, spec.token_ids)
+        drafted, accepted, rollbacks = drafted + spec.stats.drafted, accepted + spec.stats.accepted, \
+            rollbacks + spec.stats.rollbacks
+    assert 0 < accepted < drafted, "the prompts should give partial acceptance"
+    assert rollbacks > 0
+
+
+def test_gemma_ngram_and_self_draft_equal_plain(gemma: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(gemma, draft=gemma, draft_max=8, ctx=512)
+    prompt = engine.tokenize("The capital of France is")
+    reference = plain(engine, prompt, max_tokens=64)
+    ngram = engine.generate(request(prompt, SpecMode.NGRAM, max_tokens=64))
+    assert_same_or_tie(gemma, prompt, reference.token_ids, ngram.token_ids)
+    assert ngram.stats.accepted > 0 and ngram.stats.rollbacks > 0
+    self_draft = engine.generate(request(prompt, SpecMode.DRAFT, max_tokens=32))
+    assert_same_or_tie(gemma, prompt, reference.token_ids[:32], self_draft.token_ids)
+    assert self_draft.stats.accepted == self_draft.stats.drafted > 0
+
+
+# -- slots ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_concurrent_requests_each_equal_their_single_slot_plain_run(
+        slots: int, tiny_lfm2: Path, tiny_lfm2_q8: Path, make_engine: EngineFactory) -> None:
+    single = make_engine(tiny_lfm2)
+    lengths = [40, 7, 23, 56]
+    references = [plain(single, p, n).token_ids for p, n in zip(PROMPTS, lengths, strict=True)]
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, draft_max=4, slots=slots)
+    modes = [SpecMode.DRAFT, SpecMode.NGRAM, SpecMode.DRAFT, SpecMode.OFF]
+    handles = [engine.submit(request(p, m, n)) for p, m, n in zip(PROMPTS, modes, lengths, strict=True)]
+    results = [h.result() for h in handles]
+    for prompt, reference, result, n in zip(PROMPTS, references, results, lengths, strict=True):
+        assert len(result.token_ids) == n
+        assert_same_or_tie(tiny_lfm2, prompt, reference, result.token_ids)
+    assert sum(r.stats.rollbacks for r in results) > 0
+
+
+def test_requests_join_while_others_generate(tiny_lfm2: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, slots=2)
+    long = engine.submit(request(PROMPTS[0], SpecMode.OFF, max_tokens=200))
+    first = next(iter(long))
+    assert isinstance(first, Chunk)
+    short = engine.generate(request(PROMPTS[1], SpecMode.OFF, max_tokens=5))
+    assert short.finish_reason is FinishReason.LENGTH and len(short.token_ids) == 5
+    assert long.result().finish_reason is FinishReason.LENGTH
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [SpecMode.DRAFT, SpecMode.NGRAM])
+def test_sampled_speculative_output_equals_plain_output_with_the_same_seed(
+        mode: SpecMode, tiny_lfm2: Path, tiny_lfm2_q8: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, draft_max=4)
+    sampling = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1234)
+
+    def run(prompt: list[int], spec_mode: SpecMode) -> Result:
+        return engine.generate(GenerationRequest(token_ids=prompt, max_tokens=48, ignore_eos=True,
+                                                 sampling=sampling, spec=SpecParams(mode=spec_mode)))
+
+    for prompt in (PROMPTS[0], REPEATING):
+        reference = run(prompt, SpecMode.OFF)
+        assert reference.token_ids == run(prompt, SpecMode.OFF).token_ids  # the seed reproduces
+        spec = run(prompt, mode)
+        assert spec.token_ids == reference.token_ids
+    other = engine.generate(GenerationRequest(token_ids=PROMPTS[0], max_tokens=48, ignore_eos=True,
+                                              sampling=SamplingParams(temperature=0.8, top_k=50, seed=99)))
+    assert other.token_ids != reference.token_ids or mode is SpecMode.NGRAM
+
+
+def test_repetition_penalty_sees_no_rejected_draft_tokens(tiny_lfm2: Path, tiny_lfm2_other: Path,
+                                                          make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_other, draft_max=4)
+    sampling = SamplingParams(repeat_penalty=1.5, penalty_last_n=64)
+
+    def run(mode: SpecMode) -> Result:
+        return engine.generate(GenerationRequest(token_ids=PROMPTS[0], max_tokens=48, ignore_eos=True,
+                                                 sampling=sampling, spec=SpecParams(mode=mode)))
+
+    reference, spec = run(SpecMode.OFF), run(SpecMode.DRAFT)
+    assert spec.stats.rollbacks > 0
+    assert spec.token_ids == reference.token_ids
+
+
+# -- cancel -----------------------------------------------------------------------------------
+
+
+def test_cancelled_request_leaves_nothing_behind(tiny_lfm2: Path, tiny_lfm2_q8: Path,
+                                                 make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, draft_max=4)
+    handle = engine.submit(request(PROMPTS[0], SpecMode.DRAFT, max_tokens=400))
+    seen = 0
+    for event in handle:
+        if isinstance(event, Chunk):
+            seen += len(event.token_ids)
+            if seen >= 10:
+                handle.cancel()
+        else:
+            result = event
+    assert result.finish_reason is FinishReason.CANCELLED
+    assert 10 <= len(result.token_ids) < 400
+    after = engine.generate(request(PROMPTS[1], SpecMode.DRAFT))
+    fresh = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, draft_max=4).generate(request(PROMPTS[1], SpecMode.DRAFT))
+    assert after.token_ids == fresh.token_ids
+    assert after.stats == fresh.stats.__class__(**{**fresh.stats.to_dict(), "ttft_ms": after.stats.ttft_ms,
+                                                   "tokens_per_second": after.stats.tokens_per_second})
+
+
+def test_cancel_while_queued(tiny_lfm2: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, slots=1)
+    running = engine.submit(request(PROMPTS[0], SpecMode.OFF, max_tokens=300))
+    queued = engine.submit(request(PROMPTS[1], SpecMode.OFF, max_tokens=10))
+    queued.cancel()
+    assert queued.result().finish_reason is FinishReason.CANCELLED
+    running.cancel()
+    assert running.result().finish_reason is FinishReason.CANCELLED
+
+
+def test_cancel_from_another_thread_is_safe(tiny_lfm2: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, slots=2)
+    handles = [engine.submit(request(p, SpecMode.NGRAM, max_tokens=300)) for p in PROMPTS[:2]]
+    threads = [threading.Thread(target=h.cancel) for h in handles]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(h.result().finish_reason is FinishReason.CANCELLED for h in handles)
+    assert engine.generate(request(PROMPTS[2], SpecMode.OFF, max_tokens=3)).finish_reason is FinishReason.LENGTH
+
+
+# -- finishing ----------------------------------------------------------------------------------
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_streamed(gemma: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(gemma, ctx=512)
+    base = GenerationRequest(text="The capital of France is", max_tokens=40)
+    full = engine.generate(base)
+    pieces = [engine.detokenize([t]) for t in full.token_ids]
+    # A stop string made of the end of one token and the start of the two next ones.
+    i = next(k for k in range(3, len(pieces) - 3) if len(pieces[k]) > 2 and len(pieces[k + 1]) > 1)
+    stop = pieces[i][-2:] + pieces[i + 1] + pieces[i + 2][:1]
+    start = full.text.index(stop)
+    for mode in (SpecMode.OFF, SpecMode.NGRAM):
+        handle = engine.submit(GenerationRequest(text=base.text, max_tokens=40, stop=[stop],
+                                                 spec=SpecParams(mode=mode)))
+        deltas = [e.text for e in handle if isinstance(e, Chunk)]
+        result = handle.result() if False else None
+        streamed = "".join(deltas)
+        assert streamed == full.text[:start]
+        assert stop not in streamed
+        del result
+    final = engine.generate(GenerationRequest(text=base.text, max_tokens=40, stop=[stop]))
+    assert final.finish_reason is FinishReason.STOP and final.text == full.text[:start]
+
+
+def test_streamed_text_never_splits_a_character(tiny_lfm2: Path) -> None:
+    from hyspec._native import Model
+
+    model = Model(str(tiny_lfm2), vocab_only=True)
+    text = "Köln 日本語 🙂 𓂀 ꙮ 龘 🪿 end"
+    tokens = model.tokenize(text, add_special=False)
+    out = OutputStream(model, max_tokens=100, stop=[], stop_token_ids=[], ignore_eos=False)
+    deltas = []
+    for token in tokens:
+        assert out.push(token) is None
+        chunk = out.take_chunk()
+        deltas.append(chunk.text if chunk else "")
+    out.finish()
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas, "some token should be held back as half a character"
+    assert "".join(deltas) == text == out.text == model.detokenize(out.token_ids)
+
+
+def test_stop_token_ids_and_eos(tiny_lfm2: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2)
+    full = plain(engine, PROMPTS[0], 30)
+    stop_at = full.token_ids[12]
+    first = full.token_ids.index(stop_at)
+    cut = engine.generate(GenerationRequest(token_ids=PROMPTS[0], max_tokens=30, ignore_eos=True,
+                                            stop_token_ids=[stop_at], spec=SpecParams(mode=SpecMode.NGRAM)))
+    assert cut.finish_reason is FinishReason.STOP and cut.token_ids == full.token_ids[:first]
+
+
+def test_context_full_ends_with_length_and_keeps_the_output(tiny_lfm2: Path, tiny_lfm2_q8: Path,
+                                                           make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, draft_max=8, ctx=256)
+    n_ctx = engine.info()["ctx"]
+    prompt = (PROMPTS[2] * 30)[: n_ctx - 10]
+    for mode in (SpecMode.OFF, SpecMode.DRAFT, SpecMode.NGRAM):
+        result = engine.generate(request(prompt, mode, max_tokens=100))
+        assert result.finish_reason is FinishReason.LENGTH
+        assert len(result.token_ids) == n_ctx - len(prompt) + 1
+    exact = engine.generate(request(prompt + [1] * 10, SpecMode.OFF, max_tokens=5))  # fills the context
+    assert len(exact.token_ids) == 1
+
+
+# -- bad requests -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad,code", [
+    (GenerationRequest(text=""), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(text="x", token_ids=[1]), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(token_ids=[10**7]), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(text="x", max_tokens=0), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(text="x", sampling=SamplingParams(temperature=-0.5)), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(text="x", sampling=SamplingParams(temperature=1.0, top_p=0.0)), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(text="x", sampling=SamplingParams(seed=-1)), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(text="x", spec=SpecParams(mode=SpecMode.DRAFT)), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(text="x", spec=SpecParams(draft_min=5, draft_max=2)), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(text="x", stop_token_ids=[-1]), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(chat=[{"role": "user"}]), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(chat=[]), ErrorCode.INVALID_ARGUMENT),
+    (GenerationRequest(token_ids=[1] * 2000), ErrorCode.OUT_OF_RANGE),
+])
+def test_bad_requests_are_refused_with_their_code(bad: GenerationRequest, code: ErrorCode, tiny_lfm2: Path,
+                                                  make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2)
+    with pytest.raises(RequestError) as caught:
+        engine.submit(bad)
+    assert caught.value.code is code and caught.value.message
+
+
+def test_chat_prompt_uses_the_models_template(tiny_lfm2: Path, gemma: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2)
+    chat = [{"role": "user", "content": "Hello!"}]
+    result = engine.generate(GenerationRequest(chat=chat, max_tokens=4, ignore_eos=True))
+    expected = engine.tokenize("<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n", parse_special=True)
+    assert result.stats.prompt_tokens == len(expected)
+    assert result.token_ids == plain(engine, expected, 4).token_ids
+    base_model = make_engine(gemma, ctx=256)
+    with pytest.raises(RequestError, match="no chat template") as caught:
+        base_model.submit(GenerationRequest(chat=chat))
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+def test_full_queue_is_resource_exhausted(tiny_lfm2: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(tiny_lfm2, slots=1, max_queue=1)
+    handles = [engine.submit(request(PROMPTS[0], SpecMode.OFF, max_tokens=300)) for _ in range(2)]
+    with pytest.raises(RequestError) as caught:
+        engine.submit(request(PROMPTS[0], SpecMode.OFF))
+    assert caught.value.code is ErrorCode.RESOURCE_EXHAUSTED
+    for h in handles:
+        h.cancel()
+
+
+def test_draft_vocabulary_mismatch_is_refused(tiny_lfm2: Path, gemma: Path) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(EngineConfig(model=tiny_lfm2, draft=gemma, threads=1, ctx=256))
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hyspec", "generate", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be positive"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "word " * 600, "--ctx", "64"], "OUT_OF_RANGE"),
+    (["--prompt", "x", "--spec", "bogus"], "invalid SpecMode"),
+    (["--prompt", "x", "--draft-max", "-3"], "must be >= 0"),
+    (["--prompt", "x", "--model", "/nonexistent.gguf"], "cannot open model file"),
+])
+def test_cli_bad_flags_and_requests_exit_2_with_one_line(args: list[str], message: str, tiny_lfm2: Path) -> None:
+    proc = run_cli("--model", str(tiny_lfm2), *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_cli_draft_vocabulary_mismatch(tiny_lfm2: Path, gemma: Path) -> None:
+    proc = run_cli("--model", str(tiny_lfm2), "--draft", str(gemma), "--prompt", "x")
+    assert proc.returncode == 2 and "vocabulary" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_json_matches_the_engine(tiny_lfm2: Path, tiny_lfm2_q8: Path, make_engine: EngineFactory) -> None:
+    import json
+
+    proc = run_cli("--model", str(tiny_lfm2), "--draft", str(tiny_lfm2_q8), "--spec", "draft", "--draft-max", "4",
+                   "--prompt", "Hello there, general", "--max-tokens", "24", "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+    assert set(out["stats"]) == {"prompt_tokens", "completion_tokens", "drafted", "accepted", "verify_steps",
+                                 "rollbacks", "replayed_tokens", "accepted_by_position", "ttft_ms",
+                                 "tokens_per_second"}
+    engine = make_engine(tiny_lfm2)
+    reference = engine.generate(GenerationRequest(text="Hello there, general", max_tokens=24, ignore_eos=True,
+                                                  spec=SpecParams(mode=SpecMode.OFF)))
+    assert_same_or_tie(tiny_lfm2, engine.tokenize("Hello there, general"), reference.token_ids, out["token_ids"])
+    assert out["finish_reason"] == "length" and out["stats"]["completion_tokens"] == 24
+
+
+def test_cli_streams_text(tiny_lfm2: Path) -> None:
+    proc = run_cli("--model", str(tiny_lfm2), "--prompt", "Hello", "--max-tokens", "8", "--ignore-eos")
+    assert proc.returncode == 0 and proc.stdout.strip() and "tok/s" in proc.stderr
