@@ -65,6 +65,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _numbers(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+
+
 def _engine_flags(p: argparse.ArgumentParser, slots: int, log_level: str) -> None:
     g = p.add_argument_group("model and speculation")
     _flag(g, "--model", type=Path, help="target GGUF (default: Gemma 3 270M from its PyPI package)")
@@ -73,6 +80,8 @@ def _engine_flags(p: argparse.ArgumentParser, slots: int, log_level: str) -> Non
           help="speculation: off, draft or ngram (default: draft with --draft, else ngram)")
     _flag(g, "--draft-max", type=_non_negative, default=8, help="most draft tokens per step")
     _flag(g, "--draft-min", type=_non_negative, default=0, help="fewest draft tokens worth verifying")
+    _flag(g, "--fixed-draft", action="store_true",
+          help="always draft draft-max tokens, even while they are rejected (default: adaptive length)")
     _flag(g, "--slots", type=_positive, default=slots, help="concurrent sequences")
     _flag(g, "--ctx", type=_positive, default=4096, help="context tokens per slot")
     _flag(g, "--threads", type=_non_negative, default=0, help="CPU threads (0: all cores)")
@@ -120,6 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(mk, "--seed", type=int, default=0, help="weights seed")
     _flag(mk, "--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"], help="tensor type")
     _flag(mk, "--logit-scale", type=float, default=None, help="output sharpness (default: the generator's)")
+
+    b = sub.add_parser("bench", help="speed side by side with llama-server from the same llama.cpp")
+    _flag(b, "--quick", action="store_true", help="a small subset on tiny models (a smoke test)")
+    _flag(b, "--scenarios", type=_numbers, help="only these scenario numbers, e.g. 1,3,5 (default: all)")
+    _flag(b, "--out", type=Path, default=Path("hyspec-bench.json"), help="JSON report path")
+    _flag(b, "--markdown", type=Path, help="also write the markdown tables here")
+    _flag(b, "--llama-server", type=Path,
+          help="llama-server binary (default: the one `make llama-server` builds in the cache)")
+    _flag(b, "--models-dir", type=Path, help="where generated bench models are cached (default: in the cache)")
+    _flag(b, "--max-tokens", type=_positive, help="tokens per request (default: 128; 32 with --quick)")
+    _flag(b, "--pairs", type=_positive, default=3, help="measured hyspec/llama-server pairs after the warm-up")
+    _flag(b, "--draft-max", type=_positive, default=8, help="most draft tokens per step, both sides")
+    _flag(b, "--threads", type=_non_negative, default=0, help="CPU threads, both sides (0: all cores)")
+    _flag(b, "--ctx", type=_positive, default=4096, help="context tokens per slot, both sides")
+    _flag(b, "--batch", type=_positive, default=512, help="most tokens per decode, both sides")
+    _flag(b, "--prepare-only", action="store_true", help="write the scenarios' models, then stop")
+    _flag(b, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return parser
 
 
@@ -132,8 +158,9 @@ def _engine_config(args: argparse.Namespace, max_queue: int = 64, progress: bool
 
         model = gemma_path(progress=progress)
     return EngineConfig(model=model, draft=args.draft, spec=args.spec, draft_min=args.draft_min,
-                        draft_max=args.draft_max, slots=args.slots, ctx=args.ctx, threads=args.threads,
-                        batch=args.batch, max_queue=max_queue, progress=progress)
+                        draft_max=args.draft_max, adaptive_draft=not args.fixed_draft, slots=args.slots,
+                        ctx=args.ctx, threads=args.threads, batch=args.batch, max_queue=max_queue,
+                        progress=progress)
 
 
 def _request(args: argparse.Namespace) -> GenerationRequest:
@@ -193,11 +220,20 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from hyspec.bench.run import Options, run_bench
+
+    return run_bench(Options(quick=args.quick, only=args.scenarios, out=args.out, markdown=args.markdown,
+                             llama_server=args.llama_server, models_dir=args.models_dir, max_tokens=args.max_tokens,
+                             pairs=args.pairs, draft_max=args.draft_max, threads=args.threads, ctx=args.ctx,
+                             batch=args.batch, prepare_only=args.prepare_only))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "warning")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"generate": _generate, "serve": _serve, "make-model": _make_model}
+    commands = {"generate": _generate, "serve": _serve, "make-model": _make_model, "bench": _bench}
     try:
         return commands[args.command](args)
     except RequestError as e:

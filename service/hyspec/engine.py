@@ -38,6 +38,7 @@ class EngineConfig:
     spec: SpecMode | None = None  # None: draft when a draft model is given, else n-gram
     draft_min: int = 0
     draft_max: int = 8
+    adaptive_draft: bool = True  # shorten or pause drafting while drafts are rejected
     slots: int = 1
     ctx: int = 4096  # tokens per slot
     threads: int = 0  # 0: every core
@@ -146,7 +147,8 @@ class Engine:
         output = OutputStream(self.model, max_tokens=request.max_tokens, stop=request.stop,
                               stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos)
         return Job(handle=handle, prompt=prompt, sampling=s, sampler=sampler, output=output, spec=spec,
-                   draft_min=draft_min, draft_max=draft_max, t_submit=time.perf_counter())
+                   draft_min=draft_min, draft_max=draft_max, adaptive=self.config.adaptive_draft,
+                   t_submit=time.perf_counter())
 
     def _prompt(self, request: GenerationRequest) -> list[int]:
         invalid = ErrorCode.INVALID_ARGUMENT

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hyspec._native import Context, Model, Sampler
+from hyspec.draft_policy import DraftPolicy
 from hyspec.drafters import Drafter, DraftItem
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
@@ -40,6 +41,7 @@ class Job:
     spec: SpecMode
     draft_min: int
     draft_max: int
+    adaptive: bool = True  # draft length follows the acceptance rate (draft_policy.py)
     t_submit: float = field(default_factory=time.perf_counter)
 
 
@@ -53,6 +55,7 @@ class Slot:
     n_mem: int = 0
     generating: bool = False  # the prompt is in and the first token sampled
     checkpoint: Checkpoint | None = None
+    policy: DraftPolicy = field(default_factory=lambda: DraftPolicy(0))
     stats: Stats = field(default_factory=Stats)
     t_prompt_done: float = 0.0
 
@@ -161,7 +164,7 @@ class Scheduler:
         while self.waiting and self.free_seqs:
             job = self.waiting.popleft()
             seq = self.free_seqs.pop()
-            slot = Slot(seq=seq, job=job, history=list(job.prompt))
+            slot = Slot(seq=seq, job=job, history=list(job.prompt), policy=DraftPolicy(job.draft_max, job.adaptive))
             slot.stats.prompt_tokens = len(job.prompt)
             slot.stats.accepted_by_position = [0] * job.draft_max
             self.slots[seq] = slot
@@ -271,7 +274,7 @@ class Scheduler:
                 continue
             room = self.n_ctx_seq - slot.n_mem - len(slot.feed)
             left = job.output.remaining - 1  # the target always adds one token of its own
-            max_len = min(job.draft_max, room, left)
+            max_len = min(slot.policy.length(), room, left)
             if max_len >= max(1, job.draft_min):
                 by_drafter.setdefault(job.spec, []).append(DraftItem(slot.seq, slot.history, max_len))
         drafts: dict[int, list[int]] = {}
@@ -299,6 +302,7 @@ class Scheduler:
         accepted = len(emitted) - 1
         stats = slot.stats
         valid = slot.n_mem + p.n_feed + accepted  # memory entries that hold accepted tokens
+        slot.policy.update(len(draft), accepted)
         if draft:
             stats.drafted += len(draft)
             stats.accepted += accepted
