@@ -295,3 +295,19 @@ def test_gemma_greedy_writes_deterministic_english(gemma: Path) -> None:
     words = first.split()
     assert len(words) >= 10 and "France" in first
     assert sum(w.strip(".,").isalpha() and w.isascii() for w in words) >= 0.8 * len(words)
+
+
+def test_stub_describes_the_module() -> None:
+    """The shipped .pyi names exactly what the extension exports."""
+    import ast
+
+    import hyspec
+
+    stub = ast.parse((Path(hyspec.__file__).parent / "_native.pyi").read_text())
+    declared = {node.name for node in stub.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    exported = {name for name in dir(N) if not name.startswith("_")}
+    assert declared == exported
+    for cls in stub.body:
+        if isinstance(cls, ast.ClassDef) and cls.name in ("Model", "Context", "Sampler"):
+            members = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("__")}
+            assert members <= set(dir(getattr(N, cls.name))), cls.name
