@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(b, "--threads", type=_non_negative, default=0, help="CPU threads, both sides (0: all cores)")
     _flag(b, "--ctx", type=_positive, default=4096, help="context tokens per slot, both sides")
     _flag(b, "--batch", type=_positive, default=512, help="most tokens per decode, both sides")
+    _flag(b, "--fixed-draft", action="store_true",
+          help="hyspec drafts draft-max tokens every step, as llama-server does (default: its adaptive length)")
     _flag(b, "--prepare-only", action="store_true", help="write the scenarios' models, then stop")
     _flag(b, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return parser
@@ -226,7 +228,7 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(Options(quick=args.quick, only=args.scenarios, out=args.out, markdown=args.markdown,
                              llama_server=args.llama_server, models_dir=args.models_dir, max_tokens=args.max_tokens,
                              pairs=args.pairs, draft_max=args.draft_max, threads=args.threads, ctx=args.ctx,
-                             batch=args.batch, prepare_only=args.prepare_only))
+                             batch=args.batch, fixed_draft=args.fixed_draft, prepare_only=args.prepare_only))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,255 @@
+"""From measured runs to figures: medians, per-pair ratios, the markdown tables, the JSON.
+
+Ratios are hyspec ÷ llama-server per pair (run i of one side against run i of the other,
+which ran right after it), then the median of those; a ratio above 1 means hyspec is ahead
+on throughput, and behind on time to first token and memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
+
+from hyspec.bench.runner import HYSPEC, LLAMA, Result, Side
+from hyspec.bench.scenarios import SCENARIO_TITLES
+
+# -- figures ------------------------------------------------------------------------------------
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def pair_ratio(a: list[float | None], b: list[float | None]) -> float | None:
+    """Median over pairs of a[i] / b[i]."""
+    return median(x / y for x, y in zip(a, b, strict=False) if x is not None and y)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _mb(kb: int | None) -> float | None:
+    return kb / 1024.0 if kb is not None else None
+
+
+def _versus_summary(r: Result) -> dict[str, Any]:
+    h, ll = r.sides[HYSPEC], r.sides[LLAMA]
+    tps_h, tps_l = [x.tokens_per_second for x in h.runs], [x.tokens_per_second for x in ll.runs]
+    ttft_h, ttft_l = [x.ttft_ms for x in h.runs], [x.ttft_ms for x in ll.runs]
+    ratio = pair_ratio(tps_h, tps_l)  # type: ignore[arg-type]
+    return {
+        "tokens_per_second": {HYSPEC: median(tps_h), LLAMA: median(tps_l), "ratio": ratio},
+        "ttft_ms": {HYSPEC: median(ttft_h), LLAMA: median(ttft_l), "ratio": pair_ratio(ttft_h, ttft_l)},  # type: ignore[arg-type]
+        "acceptance": {HYSPEC: median(x.acceptance for x in h.runs), LLAMA: median(x.acceptance for x in ll.runs)},
+        "rollbacks": {HYSPEC: median(x.rollbacks for x in h.runs), LLAMA: None},
+        "peak_rss_mb": {HYSPEC: _mb(h.peak_rss_kb), LLAMA: _mb(ll.peak_rss_kb),
+                        "ratio": _ratio(h.peak_rss_kb, ll.peak_rss_kb)},  # type: ignore[arg-type]
+        "goal_met": None if r.goal is None or ratio is None else ratio >= r.goal,
+    }
+
+
+def _oracle_summary(r: Result) -> dict[str, Any]:
+    plain = median(x.tokens_per_second for x in r.sides["plain"].runs)
+    rows = {}
+    for label, side in r.sides.items():
+        tps = median(x.tokens_per_second for x in side.runs)
+        walls = side.batches
+        timers = side.timers
+        rollbacks = median(x.rollbacks for x in side.runs)
+        checkpoint = median(t.get("checkpoint_ms", 0.0) for t in timers)
+        restore = median(t.get("restore_ms", 0.0) for t in timers)
+        replay = median(t.get("replay_ms", 0.0) for t in timers)
+        total = sum(v or 0.0 for v in (checkpoint, restore, replay))
+        wall_ms = (median(walls) or 0.0) * 1000.0
+        rows[label] = {
+            "tokens_per_second": tps, "vs_plain": _ratio(tps, plain),
+            "acceptance": median(x.acceptance for x in side.runs), "rollbacks": rollbacks,
+            "replayed_tokens": median(x.replayed for x in side.runs),
+            "checkpoint_ms": checkpoint, "restore_ms": restore, "replay_ms": replay,
+            "rollback_ms_total": total,
+            "ms_per_rollback": ((restore or 0.0) + (replay or 0.0)) / rollbacks if rollbacks else None,
+            "share_of_time": total / wall_ms if wall_ms else None,
+        }
+    return {"settings": rows}
+
+
+def _streams_summary(r: Result) -> dict[str, Any]:
+    rows = {}
+    counts = sorted({int(name.rsplit("×", 1)[1]) for name in r.sides})
+    for n in counts:
+        h, ll = r.sides[f"{HYSPEC} ×{n}"].aggregate_rates(), r.sides[f"{LLAMA} ×{n}"].aggregate_rates()
+        rows[str(n)] = {HYSPEC: median(h), LLAMA: median(ll), "ratio": pair_ratio(h, ll)}  # type: ignore[arg-type]
+    top = rows[str(counts[-1])]["ratio"]
+    return {"aggregate_tokens_per_second": rows,
+            "peak_rss_mb": {HYSPEC: _mb(r.sides[f"{HYSPEC} ×1"].peak_rss_kb),
+                            LLAMA: _mb(r.sides[f"{LLAMA} ×1"].peak_rss_kb)},
+            "goal_met": None if r.goal is None or top is None else top >= r.goal}
+
+
+def _service_summary(r: Result) -> dict[str, Any]:
+    inproc, remote = r.sides["in-process"], r.sides["gRPC"]
+    overhead = pair_ratio(remote.batches, inproc.batches)  # type: ignore[arg-type]
+    overhead = overhead - 1.0 if overhead is not None else None
+
+    def side(s: Side) -> dict[str, Any]:
+        wall = median(s.batches)
+        tokens = median(len(x.tokens) for x in s.runs)
+        return {"wall_s": wall, "end_to_end_tokens_per_second": _ratio(tokens, wall),
+                "decode_tokens_per_second": median(x.tokens_per_second for x in s.runs),
+                "ttft_ms": median(x.ttft_ms for x in s.runs), "peak_rss_mb": _mb(s.peak_rss_kb)}
+
+    return {"in-process": side(inproc), "gRPC": side(remote), "overhead": overhead,
+            "goal_met": None if overhead is None else overhead < 0.03}
+
+
+def summarize(r: Result) -> dict[str, Any]:
+    if r.error:
+        return {}
+    return {"versus": _versus_summary, "oracle": _oracle_summary, "streams": _streams_summary,
+            "service": _service_summary}[r.kind](r)
+
+
+# -- markdown -----------------------------------------------------------------------------------
+
+
+def _f(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:.0f}%"
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def _bar(value: float | None, top: float, width: int = 20) -> str:
+    if value is None or top <= 0:
+        return ""
+    return "█" * max(1, round(value / top * width))
+
+
+def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list[dict[str, Any]]) -> str:
+    out: list[str] = []
+    pairs = [(r, s) for r, s in zip(results, summaries, strict=True)]
+
+    versus = [(r, s) for r, s in pairs if r.kind == "versus"]
+    if versus:
+        out += ["### hyspec vs llama-server, one slot (scenarios 1, 2, 3, 5)", ""]
+        rows = []
+        for r, s in versus:
+            if r.error:
+                rows.append([str(r.number), r.name, r.target, r.draft or "", "error", *[""] * 11, r.error])
+                continue
+            t, f, a, rss = s["tokens_per_second"], s["ttft_ms"], s["acceptance"], s["peak_rss_mb"]
+            rows.append([str(r.number), r.name, r.target, r.draft or "—",
+                         _f(t[HYSPEC]), _f(t[LLAMA]), _x(t["ratio"]),
+                         _f(f[HYSPEC], 0), _f(f[LLAMA], 0), _x(f["ratio"]),
+                         _pct(a[HYSPEC]), _pct(a[LLAMA]), _f(s["rollbacks"][HYSPEC], 0),
+                         _f(rss[HYSPEC], 0), _f(rss[LLAMA], 0), _x(rss["ratio"]), r.same_tokens])
+        out += _table(["#", "scenario", "target", "draft", "tok/s hyspec", "tok/s llama", "÷", "TTFT ms hyspec",
+                       "TTFT ms llama", "÷", "accept hyspec", "accept llama", "rollbacks", "RSS MB hyspec",
+                       "RSS MB llama", "÷", "same tokens"], rows)
+        out += ["", "÷ is hyspec ÷ llama-server, the median of per-pair ratios: above 1 is ahead on tok/s and "
+                "behind on TTFT and peak RSS. tok/s is the decode rate after the first token, as each side "
+                "reports it; TTFT is hyspec's submit-to-first-token and llama-server's prompt time; "
+                "rollbacks are hyspec's (llama-server does not report them).", ""]
+
+    oracle = [(r, s) for r, s in pairs if r.kind == "oracle"]
+    if oracle:
+        out += ["### Controlled acceptance, hyspec alone (scenario 4)", ""]
+        rows = []
+        for r, s in oracle:
+            if r.error:
+                rows.append([r.target, "error", *[""] * 9, r.error])
+                continue
+            settings = s["settings"]
+            top = max((v["tokens_per_second"] or 0.0) for v in settings.values())
+            for label, v in settings.items():
+                rows.append([r.target, label, _f(v["tokens_per_second"]), _x(v["vs_plain"]), _pct(v["acceptance"]),
+                             _f(v["rollbacks"], 0), _f(v["replayed_tokens"], 0),
+                             f"{_f(v['checkpoint_ms'], 0)} / {_f(v['restore_ms'], 0)} / {_f(v['replay_ms'], 0)}",
+                             _f(v["ms_per_rollback"], 2), _pct(v["share_of_time"]), r.same_tokens,
+                             _bar(v["tokens_per_second"], top)])
+        out += _table(["target", "setting", "tok/s", "vs plain", "accepted", "rollbacks", "replayed tokens",
+                       "ms checkpoint / restore / replay", "ms per rollback", "share of time", "same tokens",
+                       "tok/s"], rows)
+        out += ["", "Fixed drafts of draft-max tokens, cut at the first wrong one, so acceptance is α; the "
+                "output is the plain run's (same tokens). Milliseconds are per request; a rollback's cost is "
+                "its restore plus the replay decode; share of time is their part of the request's wall time.",
+                ""]
+
+    streams = [(r, s) for r, s in pairs if r.kind == "streams"]
+    for r, s in streams:
+        out += [f"### Concurrent streams, aggregate tokens/s (scenario 6): {r.target}", ""]
+        if r.error:
+            out += [f"error: {r.error}", ""]
+            continue
+        rows = [[n, _f(v[HYSPEC]), _f(v[LLAMA]), _x(v["ratio"]), r.same_tokens]
+                for n, v in s["aggregate_tokens_per_second"].items()]
+        out += _table(["streams", "hyspec", "llama-server", "÷", "same tokens"], rows)
+        out.append("")
+
+    service = [(r, s) for r, s in pairs if r.kind == "service"]
+    for r, s in service:
+        out += [f"### One stream through gRPC and in-process (scenario 7): {r.target}", ""]
+        if r.error:
+            out += [f"error: {r.error}", ""]
+            continue
+        rows = []
+        for path in ("in-process", "gRPC"):
+            v = s[path]
+            rows.append([path, _f(v["wall_s"], 3), _f(v["end_to_end_tokens_per_second"]),
+                         _f(v["decode_tokens_per_second"]), _f(v["ttft_ms"], 1), _f(v["peak_rss_mb"], 0),
+                         _pct(s["overhead"]) if path == "gRPC" else "", r.same_tokens if path == "gRPC" else ""])
+        out += _table(["path", "end to end s", "tok/s end to end", "decode tok/s (engine)", "TTFT ms (caller)",
+                       "RSS MB", "overhead", "same tokens"], rows)
+        out.append("")
+
+    if goals:
+        out += ["### Goals", ""]
+        out += _table(["goal", "measured", "met"],
+                      [[g["goal"], g["measured"], {True: "yes", False: "**no**", None: "—"}[g["met"]]] for g in goals])
+        out.append("")
+    return "\n".join(out)
+
+
+def goals(results: list[Result], summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where we want to be, scenario by scenario, against what was measured."""
+    out = []
+    for r, s in zip(results, summaries, strict=True):
+        if r.error or r.kind == "oracle":
+            continue
+        if r.kind == "versus" and r.goal is not None:
+            ratio = s["tokens_per_second"]["ratio"]
+            what = f"{r.number} {SCENARIO_TITLES[r.number]}: {r.name}, {r.target}"
+            out.append({"goal": f"{what}: hyspec ÷ llama-server tok/s ≥ {r.goal:g}", "measured": _x(ratio),
+                        "met": s["goal_met"]})
+        elif r.kind == "streams" and r.goal is not None:
+            top = list(s["aggregate_tokens_per_second"].items())[-1]
+            out.append({"goal": f"6 aggregate tok/s with {top[0]} streams, hyspec ÷ llama-server ≥ {r.goal:g}",
+                        "measured": _x(top[1]["ratio"]), "met": s["goal_met"]})
+        elif r.kind == "service":
+            out.append({"goal": "7 gRPC overhead on one stream < 3%", "measured": _pct(s["overhead"]),
+                        "met": s["goal_met"]})
+    return out
+
+
+def to_json(results: list[Result], summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r, s in zip(results, summaries, strict=True):
+        item = asdict(r)
+        item["summary"] = s
+        out.append(item)
+    return out

@@ -1,0 +1,326 @@
+"""Runs the scenarios: the processes of each, warm-up, alternating measured runs, checks.
+
+Only one side computes at a time (the other idles on a pipe or a socket), so the two never
+compete for the cores; each side lives in its own process, so each peak RSS is its own.
+After every scenario its processes are stopped and the outputs compared, tie-aware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from hyspec.bench.models import ModelSpec
+from hyspec.bench.peer import LlamaServer, PeerConfig
+from hyspec.bench.records import Batch, Run
+from hyspec.bench.remote import HyspecService
+from hyspec.bench.scenarios import STREAM_PROMPTS, Oracle, Scenario, Service, Streams, Versus, variant
+from hyspec.bench.worker import HyspecWorker, WorkerConfig
+from hyspec.exactness import Comparison, compare
+
+log = logging.getLogger("hyspec.bench")
+
+HYSPEC = "hyspec"
+LLAMA = "llama-server"
+
+
+@dataclass
+class Settings:
+    """What both sides share in every scenario."""
+
+    llama_server: Path
+    max_tokens: int = 128
+    pairs: int = 3
+    draft_max: int = 8
+    threads: int = 2
+    ctx: int = 4096
+    batch: int = 512
+    adaptive_draft: bool = True  # hyspec's draft length policy (llama-server's drafts are fixed)
+
+
+@dataclass
+class Side:
+    """The measured runs of one side (or one setting) of a scenario."""
+
+    runs: list[Run] = field(default_factory=list)  # one per request, in order
+    batches: list[float] = field(default_factory=list)  # wall seconds of each measured batch
+    timers: list[dict[str, float]] = field(default_factory=list)  # hyspec's rollback timers per batch
+    peak_rss_kb: int | None = None
+
+    def add(self, batch: Batch) -> None:
+        self.runs += batch.runs
+        self.batches.append(batch.wall_s)
+        if batch.timers:
+            self.timers.append(batch.timers)
+
+    def aggregate_rates(self) -> list[float]:
+        """Tokens per second of each measured batch, all its streams together, wall clock."""
+        n = len(self.batches)
+        per = len(self.runs) // n if n else 0
+        return [sum(len(r.tokens) for r in self.runs[i * per:(i + 1) * per]) / wall if wall > 0 else 0.0
+                for i, wall in enumerate(self.batches)]
+
+
+@dataclass
+class Result:
+    kind: str  # versus, oracle, streams or service
+    number: int
+    name: str
+    target: str
+    spec: str
+    draft: str | None = None
+    goal: float | None = None
+    prompt_tokens: int = 0
+    sides: dict[str, Side] = field(default_factory=dict)
+    same_tokens: str = ""  # the verdict shown in the table
+    exact: bool = True  # False: some output differs from its counterpart and not at a near-tie
+    comparisons: list[str] = field(default_factory=list)  # each distinct comparison, described
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class _Checker:
+    """Tie-aware comparisons of a target's outputs, cached (a mismatch loads the model)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self._seen: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], Comparison] = {}
+
+    def __call__(self, prompt: list[int], a: list[int], b: list[int]) -> Comparison:
+        key = (tuple(prompt), tuple(a), tuple(b))
+        if key not in self._seen:
+            if a != b:
+                log.info("  outputs differ: checking for a near-tie with a fresh context of %s", self.model.name)
+            self._seen[key] = compare(self.model, prompt, a, b)
+        return self._seen[key]
+
+    def verdict(self, result: Result) -> None:
+        found = list(self._seen.values())
+        result.comparisons = sorted({c.describe() for c in found})
+        bad = [c for c in found if not c.ok]
+        ties = [c for c in found if c.tie]
+        result.exact = not bad
+        if bad:
+            result.same_tokens = f"NO ({bad[0].describe()})"
+        elif ties:
+            result.same_tokens = f"yes, near-tie at token {ties[0].index}"
+        else:
+            result.same_tokens = "yes"
+
+
+def child_env(passive_omp: bool = False) -> dict[str, str]:
+    """The environment of the children: ours, less the HYSPEC_* flag twins (a --draft meant for
+    the benchmark must not reach a ``hyspec serve`` child as its default). ``passive_omp``
+    makes idle OpenMP threads sleep unless OMP_WAIT_POLICY says otherwise: slower, but a busy
+    machine no longer slows llama.cpp several times (for smoke tests, not for figures)."""
+    keep = {"HYSPEC_CACHE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYSPEC_") or k in keep}
+    if passive_omp:
+        env.setdefault("OMP_WAIT_POLICY", "passive")
+    return env
+
+
+class Runner:
+    def __init__(self, settings: Settings, paths: dict[ModelSpec, Path], *, log_dir: Path | None = None,
+                 passive_omp: bool = False) -> None:
+        self.s = settings
+        self.paths = paths
+        self._tmp = tempfile.TemporaryDirectory(prefix="hyspec-bench-") if log_dir is None else None
+        self.log_dir = Path(self._tmp.name) if self._tmp else log_dir
+        assert self.log_dir is not None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = child_env(passive_omp)
+        self._n = 0
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # -- processes ----------------------------------------------------------------------------
+
+    def _log(self, what: str) -> Path:
+        self._n += 1
+        return self.log_dir / f"{self._n:02d}-{what}.log"
+
+    def _worker_config(self, target: ModelSpec, draft: ModelSpec | None = None, slots: int = 1,
+                       oracle: bool = False) -> WorkerConfig:
+        return WorkerConfig(model=str(self.paths[target]), draft=str(self.paths[draft]) if draft else None,
+                            slots=slots, ctx=self.s.ctx, threads=self.s.threads, batch=self.s.batch,
+                            draft_max=self.s.draft_max, oracle=oracle,
+                            # Controlled acceptance measures fixed drafts: a policy would change α.
+                            adaptive_draft=self.s.adaptive_draft and not oracle)
+
+    def _worker(self, config: WorkerConfig) -> HyspecWorker:
+        return HyspecWorker(config, self._log("hyspec"), env=self.env)
+
+    def _peer(self, target: ModelSpec, spec: str, draft: ModelSpec | None = None, slots: int = 1) -> LlamaServer:
+        config = PeerConfig(binary=self.s.llama_server, model=self.paths[target],
+                            draft=self.paths[draft] if draft else None, spec=spec, draft_max=self.s.draft_max,
+                            slots=slots, ctx=self.s.ctx, threads=self.s.threads, batch=self.s.batch)
+        return LlamaServer(config, self._log("llama-server"), env=self.env)
+
+    # -- scenarios ----------------------------------------------------------------------------
+
+    def run(self, scenario: Scenario, progress: Callable[[str], None]) -> list[Result]:
+        """One result per scenario (the controlled-acceptance one: per target)."""
+        if isinstance(scenario, Oracle):
+            return [self._timed(self._oracle, scenario, target, progress) for target in scenario.targets]
+        runners = {"versus": self._versus, "streams": self._streams, "service": self._service}
+        return [self._timed(runners[scenario.kind], scenario, progress)]
+
+    @staticmethod
+    def _timed(fn: Callable[..., Result], *args: object) -> Result:
+        t0 = time.perf_counter()
+        result = fn(*args)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _versus(self, sc: Versus, progress: Callable[[str], None]) -> Result:
+        result = Result("versus", sc.number, sc.name, sc.target.label, sc.spec, goal=sc.goal,
+                        draft=sc.draft.label if sc.draft else None)
+        hy, ll = result.sides.setdefault(HYSPEC, Side()), result.sides.setdefault(LLAMA, Side())
+        with contextlib.ExitStack() as stack:
+            peer, worker = _start(stack, lambda: self._peer(sc.target, sc.spec, sc.draft),
+                                  lambda: self._worker(self._worker_config(sc.target, sc.draft)))
+            # Pair i gets prompt i + 1 on both sides; prompt 0 is the warm-up.
+            prompts = [worker.tokenize(variant(sc.prompt, i)) for i in range(self.s.pairs + 1)]
+            result.prompt_tokens = len(prompts[0])
+            args = {"max_tokens": self.s.max_tokens}
+            worker.run(prompts[:1], spec=sc.spec, draft_max=self.s.draft_max, **args)  # warm-up
+            peer.run(prompts[:1], **args)
+            for i in range(self.s.pairs):
+                hy.add(worker.run([prompts[i + 1]], spec=sc.spec, draft_max=self.s.draft_max, **args))
+                ll.add(peer.run([prompts[i + 1]], **args))
+                progress(f"pair {i + 1}/{self.s.pairs}: hyspec {hy.runs[-1].tokens_per_second:.1f} tok/s, "
+                         f"llama-server {ll.runs[-1].tokens_per_second:.1f} tok/s")
+            hy.peak_rss_kb, ll.peak_rss_kb = worker.peak_rss_kb(), peer.peak_rss_kb()
+        check = _Checker(self.paths[sc.target])
+        for i, (h, lr) in enumerate(zip(hy.runs, ll.runs, strict=True)):
+            check(prompts[i + 1], h.tokens, lr.tokens)
+        check.verdict(result)
+        return result
+
+    def _oracle(self, sc: Oracle, target: ModelSpec, progress: Callable[[str], None]) -> Result:
+        result = Result("oracle", sc.number, sc.name, target.label, "oracle", goal=None)
+        with self._worker(self._worker_config(target, oracle=True)) as worker:
+            prompt = worker.tokenize(sc.prompt)
+            result.prompt_tokens = len(prompt)
+            run = {"max_tokens": self.s.max_tokens, "draft_max": self.s.draft_max}
+            reference = worker.run([prompt], spec="off", **run).runs[0].tokens  # also the warm-up
+            worker.call("reference", prompt=prompt, tokens=reference)
+            settings: list[tuple[str, float | None]] = [("plain", None)] + [(f"α={a:g}", a) for a in sc.alphas]
+            for _, alpha in settings[1:]:  # warm-up of the speculative path
+                worker.call("alpha", alpha=alpha, seed=10_000)
+                worker.run([prompt], spec="ngram", **run)
+            for i in range(self.s.pairs):
+                line = []
+                for label, alpha in settings:
+                    side = result.sides.setdefault(label, Side())
+                    if alpha is None:
+                        side.add(worker.run([prompt], spec="off", **run))
+                    else:
+                        worker.call("alpha", alpha=alpha, seed=i)
+                        side.add(worker.run([prompt], spec="ngram", **run))
+                    line.append(f"{label} {side.runs[-1].tokens_per_second:.1f}")
+                progress(f"round {i + 1}/{self.s.pairs}: " + ", ".join(line) + " tok/s")
+            rss = worker.peak_rss_kb()
+        for side in result.sides.values():
+            side.peak_rss_kb = rss
+        check = _Checker(self.paths[target])
+        for side in result.sides.values():
+            for r in side.runs:
+                check(prompt, reference, r.tokens)
+        check.verdict(result)
+        return result
+
+    def _streams(self, sc: Streams, progress: Callable[[str], None]) -> Result:
+        result = Result("streams", sc.number, sc.name, sc.target.label, sc.spec, goal=sc.goal)
+        counts = [1, sc.streams]
+        with contextlib.ExitStack() as stack:
+            peer, worker = _start(stack, lambda: self._peer(sc.target, sc.spec, slots=sc.streams),
+                                  lambda: self._worker(self._worker_config(sc.target, slots=sc.streams)))
+            prompts = [worker.tokenize(t) for t in _prompts(sc.streams)]
+            result.prompt_tokens = len(prompts[0])
+            args = {"max_tokens": self.s.max_tokens}
+            worker.run(prompts, spec=sc.spec, draft_max=self.s.draft_max, **args)  # warm-up
+            peer.run(prompts, **args)
+            for i in range(self.s.pairs):
+                line = []
+                for n in counts:
+                    hy = result.sides.setdefault(f"{HYSPEC} ×{n}", Side())
+                    ll = result.sides.setdefault(f"{LLAMA} ×{n}", Side())
+                    hy.add(worker.run(prompts[:n], spec=sc.spec, draft_max=self.s.draft_max, **args))
+                    ll.add(peer.run(prompts[:n], **args))
+                    line.append(f"×{n}: hyspec {hy.aggregate_rates()[-1]:.1f} / "
+                                f"llama-server {ll.aggregate_rates()[-1]:.1f}")
+                progress(f"pair {i + 1}/{self.s.pairs}: " + ", ".join(line) + " tok/s aggregate")
+            rss = {HYSPEC: worker.peak_rss_kb(), LLAMA: peer.peak_rss_kb()}
+        for name, side in result.sides.items():
+            side.peak_rss_kb = rss[HYSPEC if name.startswith(HYSPEC) else LLAMA]
+        check = _Checker(self.paths[sc.target])
+        for n in counts:
+            hy, ll = result.sides[f"{HYSPEC} ×{n}"], result.sides[f"{LLAMA} ×{n}"]
+            for k, (h, lr) in enumerate(zip(hy.runs, ll.runs, strict=True)):
+                check(prompts[k % n], h.tokens, lr.tokens)
+        check.verdict(result)
+        return result
+
+    def _service(self, sc: Service, progress: Callable[[str], None]) -> Result:
+        result = Result("service", sc.number, sc.name, sc.target.label, sc.spec, goal=None)
+        inproc, remote = result.sides.setdefault("in-process", Side()), result.sides.setdefault("gRPC", Side())
+        config = self._worker_config(sc.target)
+        with contextlib.ExitStack() as stack:
+            service, worker = _start(stack, lambda: HyspecService(config, self._log("hyspec-serve"), env=self.env),
+                                     lambda: self._worker(config))
+            prompt = worker.tokenize(sc.prompt)
+            result.prompt_tokens = len(prompt)
+            args = {"max_tokens": self.s.max_tokens, "spec": sc.spec, "draft_max": self.s.draft_max}
+            worker.run([prompt], **args)  # warm-up
+            service.complete(prompt, **args)
+            for i in range(self.s.pairs):
+                inproc.add(worker.run([prompt], **args))
+                t0 = time.perf_counter()
+                run = service.complete(prompt, **args)
+                remote.add(Batch(runs=[run], wall_s=time.perf_counter() - t0, timers={}))
+                progress(f"pair {i + 1}/{self.s.pairs}: in-process {inproc.batches[-1]:.2f} s, "
+                         f"gRPC {remote.batches[-1]:.2f} s end to end")
+            inproc.peak_rss_kb, remote.peak_rss_kb = worker.peak_rss_kb(), service.peak_rss_kb()
+        check = _Checker(self.paths[sc.target])
+        for a, b in zip(inproc.runs, remote.runs, strict=True):
+            check(prompt, a.tokens, b.tokens)
+        check.verdict(result)
+        return result
+
+
+class _Process(Protocol):
+    def wait_ready(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+P = TypeVar("P", bound=_Process)
+Q = TypeVar("Q", bound=_Process)
+
+
+def _start(stack: contextlib.ExitStack, first: Callable[[], P], second: Callable[[], Q]) -> tuple[P, Q]:
+    """Start both processes (they load their models at the same time), stop both on the way out
+    whatever happens, and return once both are ready."""
+    a = first()
+    stack.callback(a.stop)
+    b = second()
+    stack.callback(b.stop)
+    a.wait_ready()
+    b.wait_ready()
+    return a, b
+
+
+def _prompts(n: int) -> list[str]:
+    return [STREAM_PROMPTS[k % len(STREAM_PROMPTS)] for k in range(n)]
+

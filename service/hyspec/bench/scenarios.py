@@ -1,0 +1,158 @@
+"""What the benchmark runs: the scenarios of the full set and of ``--quick``, as data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hyspec.bench.models import GEMMA, ModelSpec
+
+ECHO = 1.0  # embed_std of the n-gram scenario's targets
+
+# Prompts are text, tokenized by the target's own tokenizer and sent to both sides as token ids.
+PROSE = ("The history of the printing press begins long before Gutenberg. Wooden blocks were carved, "
+         "inked and pressed onto paper, and each page of a book needed a block of its own. ")
+REPETITIVE = "for each item in the list: check the item, log the item, move on. " * 8
+FRANCE = "The capital of France is"
+STREAM_PROMPTS = (
+    PROSE,
+    "Once upon a time, in a village at the edge of a great forest, there lived a clockmaker who ",
+    "To install the package, first create a virtual environment, then run the installer and ",
+    "The committee met on Tuesday to discuss the budget for the coming year. The first item was ",
+)
+
+
+def variant(text: str, i: int) -> str:
+    """The prompt of measured pair ``i`` (0: the warm-up). Each pair gets a prompt of its own, so
+    that neither side can answer from an earlier request: llama-server's ngram-mod keeps one
+    n-gram table across requests, and an identical request would find its whole answer there."""
+    return f"Part {i + 1}. {text}"
+
+
+@dataclass(frozen=True)
+class Versus:
+    """hyspec and llama-server side by side, one slot (scenarios 1, 2, 3 and 5)."""
+
+    number: int
+    name: str
+    target: ModelSpec
+    spec: str  # off, ngram or draft
+    prompt: str
+    draft: ModelSpec | None = None
+    goal: float | None = 1.0  # wanted: hyspec / llama-server decode tokens/s at least this
+    kind: ClassVar[str] = "versus"
+
+    @property
+    def targets(self) -> tuple[ModelSpec, ...]:
+        return (self.target,)
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """Controlled acceptance, hyspec alone (scenario 4): tokens/s and rollback cost against alpha."""
+
+    targets: tuple[ModelSpec, ...]
+    alphas: tuple[float, ...]
+    prompt: str = PROSE
+    number: int = 4
+    name: str = "controlled acceptance"
+    kind: ClassVar[str] = "oracle"
+
+
+@dataclass(frozen=True)
+class Streams:
+    """Concurrent streams against one, aggregate tokens/s, both sides (scenario 6)."""
+
+    target: ModelSpec
+    streams: int = 4
+    spec: str = "off"
+    number: int = 6
+    name: str = "concurrent streams"
+    goal: float | None = 1.0  # wanted: hyspec / llama-server aggregate tokens/s at the most streams
+    kind: ClassVar[str] = "streams"
+
+    @property
+    def targets(self) -> tuple[ModelSpec, ...]:
+        return (self.target,)
+
+
+@dataclass(frozen=True)
+class Service:
+    """One stream through gRPC against in-process (scenario 7): the service's overhead."""
+
+    target: ModelSpec
+    spec: str = "off"
+    prompt: str = PROSE
+    number: int = 7
+    name: str = "gRPC vs in-process"
+    goal_overhead: float = 0.03  # wanted: end-to-end time through gRPC at most 3% over in-process
+    kind: ClassVar[str] = "service"
+
+    @property
+    def targets(self) -> tuple[ModelSpec, ...]:
+        return (self.target,)
+
+
+Scenario = Versus | Oracle | Streams | Service
+
+SCENARIO_TITLES = {
+    1: "plain decoding",
+    2: "n-gram drafting, repetitive prompt",
+    3: "draft model",
+    4: "controlled acceptance (hyspec alone)",
+    5: "Gemma 3 270M",
+    6: "concurrent streams",
+    7: "gRPC overhead",
+}
+
+
+def full() -> list[Scenario]:
+    f16 = ModelSpec("lfm2", "lfm2-1.2b", 1, "f16")
+    q8 = ModelSpec("lfm2", "lfm2-1.2b", 1, "q8_0")
+    # Random weights give noise that never repeats; these echo their input and then loop.
+    f16_echo = ModelSpec("lfm2", "lfm2-1.2b", 1, "f16", embed_std=ECHO)
+    q8_echo = ModelSpec("lfm2", "lfm2-1.2b", 1, "q8_0", embed_std=ECHO)
+    draft_random = ModelSpec("lfm2", "lfm2-350m", 2, "f16")  # other weights: near-zero acceptance
+    attention = ModelSpec("llama", "lfm2-1.2b", 1, "f16")
+    return [
+        Versus(1, "plain", f16, "off", PROSE),
+        Versus(1, "plain", q8, "off", PROSE),
+        Versus(2, "n-gram", f16_echo, "ngram", REPETITIVE),
+        Versus(2, "n-gram", q8_echo, "ngram", REPETITIVE),
+        Versus(3, "draft: random 350M", f16, "draft", PROSE, draft=draft_random),
+        Versus(3, "draft: Q8_0 copy", f16, "draft", PROSE, draft=q8),
+        Oracle(targets=(f16, attention), alphas=(0.3, 0.6, 0.9)),
+        Versus(5, "plain", GEMMA, "off", FRANCE),
+        Versus(5, "n-gram", GEMMA, "ngram", FRANCE),
+        Streams(f16, streams=4),
+        Service(f16),
+    ]
+
+
+def quick() -> list[Scenario]:
+    """A smoke test of every mechanism on the tiny models: a minute or two."""
+    tiny = ModelSpec("lfm2", "tiny", 1, "f32")
+    tiny_q8 = ModelSpec("lfm2", "tiny", 1, "q8_0")
+    tiny_attention = ModelSpec("llama", "tiny", 1, "f32")
+    tiny_echo = ModelSpec("lfm2", "tiny", 1, "f32", embed_std=ECHO)
+    return [
+        Versus(1, "plain", tiny, "off", PROSE),
+        Versus(2, "n-gram", tiny_echo, "ngram", REPETITIVE),
+        Versus(3, "draft: Q8_0 copy", tiny, "draft", PROSE, draft=tiny_q8),
+        Oracle(targets=(tiny, tiny_attention), alphas=(0.6,)),
+        Streams(tiny, streams=4),
+        Service(tiny),
+    ]
+
+
+def models(scenarios: list[Scenario]) -> list[ModelSpec]:
+    """Every model the scenarios need."""
+    out: list[ModelSpec] = []
+    for s in scenarios:
+        if isinstance(s, Versus):
+            out += [s.target] + ([s.draft] if s.draft else [])
+        elif isinstance(s, Oracle):
+            out += list(s.targets)
+        else:
+            out.append(s.target)
+    return list(dict.fromkeys(out))

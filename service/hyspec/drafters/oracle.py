@@ -1,0 +1,81 @@
+"""A controlled-acceptance drafter for benchmarks: acceptance is a parameter, not luck.
+
+Given the target's real greedy continuation of a prompt (recorded from a plain run), it
+proposes, position by position, the reference token with probability ``alpha`` and a wrong
+token otherwise, and ends the draft at its first wrong token (everything after it would be
+rejected anyway). So every drafted token is accepted with probability ``alpha``: the
+measured acceptance is ``alpha``, while the output, decided by the greedy target, stays
+exactly the plain run's. The cost of speculation and rollback can then be charted against
+acceptance on any target, with no draft model of the right quality.
+
+Once an output leaves the reference (a near-tie that a batched verify broke the other way)
+the drafter cannot know the continuation and proposes nothing; ``diverged`` counts those
+sequences.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hyspec.drafters import DraftItem
+
+
+class OracleDrafter:
+    def __init__(self, alpha: float = 0.5, seed: int = 0) -> None:
+        self._references: dict[tuple[int, ...], list[int]] = {}
+        self._prompt_of: dict[int, tuple[int, ...] | None] = {}  # seq -> its reference's prompt
+        self.diverged = 0
+        self.set_alpha(alpha, seed)
+
+    def set_alpha(self, alpha: float, seed: int = 0) -> None:
+        """Acceptance probability of each drafted token; reseeds the drafter's RNG."""
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        self.alpha = alpha
+        self._rng = random.Random(seed)
+
+    def add_reference(self, prompt: list[int], continuation: list[int]) -> None:
+        """The target's greedy continuation of ``prompt`` (at least as long as the outputs to draft)."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self._references[tuple(prompt)] = list(continuation)
+
+    def clear_references(self) -> None:
+        self._references.clear()
+
+    def _find_prompt(self, history: list[int]) -> tuple[int, ...] | None:
+        # The longest registered prompt that starts the history.
+        best: tuple[int, ...] | None = None
+        for prompt in self._references:
+            if len(prompt) < len(history) and tuple(history[:len(prompt)]) == prompt:
+                if best is None or len(prompt) > len(best):
+                    best = prompt
+        return best
+
+    def propose(self, items: list[DraftItem]) -> list[list[int]]:
+        return [self._draft(item) for item in items]
+
+    def _draft(self, item: DraftItem) -> list[int]:
+        if item.seq not in self._prompt_of:
+            self._prompt_of[item.seq] = self._find_prompt(item.history)
+        prompt = self._prompt_of[item.seq]
+        if prompt is None or item.max_len <= 0:
+            return []
+        reference = self._references[prompt]
+        done = len(item.history) - len(prompt)  # output tokens so far, the last sampled one included
+        if item.history[len(prompt):] != reference[:done]:
+            self.diverged += 1
+            self._prompt_of[item.seq] = None  # stays off the reference: no more drafts
+            return []
+        draft: list[int] = []
+        for token in reference[done:done + item.max_len]:
+            if self._rng.random() < self.alpha:
+                draft.append(token)
+            else:
+                # Any token but the right one: the greedy target rejects it (short of a near-tie).
+                draft.append(token - 1 if token > 0 else 1)
+                break
+        return draft
+
+    def release(self, seq: int) -> None:
+        self._prompt_of.pop(seq, None)

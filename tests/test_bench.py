@@ -1,0 +1,166 @@
+"""`hyspec bench --quick` end to end on the tiny models, against llama-server.
+
+Checks the report's shape and the same-tokens verdicts; asserts no speed figure (timed
+tests on a shared machine measure the machine, not the code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hyspec.bench.peer import default_binary
+
+MAX_TOKENS = 32
+PAIRS = 3
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, subprocess.CompletedProcess]:
+    binary = Path(os.environ.get("HYSPEC_LLAMA_SERVER", default_binary()))
+    if not binary.is_file():
+        message = f"llama-server not built ({binary}): run `make llama-server`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYSPEC_") or k == "HYSPEC_CACHE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hyspec", "bench", "--quick", "--llama-server", str(binary),
+         "--models-dir", str(out / "models"), "--out", str(out / "report.json"), "--markdown", str(out / "report.md"),
+         "--max-tokens", str(MAX_TOKENS), "--pairs", str(PAIRS)],
+        capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, f"hyspec bench --quick failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads((out / "report.json").read_text()), (out / "report.md").read_text(), proc
+
+
+def test_report_has_every_quick_scenario(quick_report: tuple[dict[str, Any], str, Any]) -> None:
+    report, _, _ = quick_report
+    assert report["quick"] is True
+    assert {"machine", "settings", "results", "goals", "elapsed_s"} <= report.keys()
+    assert report["settings"]["max_tokens"] == MAX_TOKENS and report["settings"]["pairs"] == PAIRS
+    results = report["results"]
+    assert {r["number"] for r in results} == {1, 2, 3, 4, 6, 7}
+    assert {r["kind"] for r in results} == {"versus", "oracle", "streams", "service"}
+    for r in results:
+        assert r["error"] is None, r
+        assert r["summary"], r
+
+
+def test_every_scenario_produced_the_same_tokens(quick_report: tuple[dict[str, Any], str, Any]) -> None:
+    report, _, _ = quick_report
+    for r in report["results"]:
+        assert r["exact"] is True, (r["name"], r["same_tokens"], r["comparisons"])
+        assert r["same_tokens"].startswith("yes"), r["same_tokens"]
+        for name, side in r["sides"].items():
+            assert side["runs"], (r["name"], name)
+            for run in side["runs"]:
+                assert len(run["tokens"]) == MAX_TOKENS, (r["name"], name)
+
+
+def test_both_sides_ran_alternating_pairs(quick_report: tuple[dict[str, Any], str, Any]) -> None:
+    report, _, _ = quick_report
+    for r in report["results"]:
+        if r["kind"] == "versus":
+            assert set(r["sides"]) == {"hyspec", "llama-server"}
+            for side in r["sides"].values():
+                assert len(side["runs"]) == PAIRS and side["peak_rss_kb"] > 0
+            s = r["summary"]
+            assert set(s["tokens_per_second"]) == {"hyspec", "llama-server", "ratio"}
+            assert s["tokens_per_second"]["ratio"] is not None and s["ttft_ms"]["ratio"] is not None
+            assert s["peak_rss_mb"]["ratio"] is not None
+            if r["spec"] == "off":
+                assert s["acceptance"] == {"hyspec": None, "llama-server": None}
+            elif r["spec"] == "draft":  # a draft model always drafts: both sides report acceptance
+                assert s["acceptance"]["hyspec"] is not None and s["acceptance"]["llama-server"] is not None
+        elif r["kind"] == "streams":
+            assert set(r["sides"]) == {"hyspec ×1", "llama-server ×1", "hyspec ×4", "llama-server ×4"}
+            assert len(r["sides"]["hyspec ×4"]["runs"]) == 4 * PAIRS
+            assert set(r["summary"]["aggregate_tokens_per_second"]) == {"1", "4"}
+        elif r["kind"] == "service":
+            assert set(r["sides"]) == {"in-process", "gRPC"}
+            assert r["summary"]["overhead"] is not None
+
+
+def test_controlled_acceptance_keeps_the_output_and_counts_rollbacks(
+        quick_report: tuple[dict[str, Any], str, Any]) -> None:
+    report, _, _ = quick_report
+    oracle = [r for r in report["results"] if r["kind"] == "oracle"]
+    assert len(oracle) == 2  # the hybrid target and the attention one
+    for r in oracle:
+        settings = r["summary"]["settings"]
+        assert set(settings) == {"plain", "α=0.6"}
+        assert settings["plain"]["acceptance"] is None and settings["plain"]["rollbacks"] == 0
+        spec = settings["α=0.6"]
+        assert 0.0 < spec["acceptance"] < 1.0 and spec["rollbacks"] > 0
+    hybrid = next(r for r in oracle if r["target"].startswith("LFM2"))
+    attention = next(r for r in oracle if r["target"].startswith("llama"))
+    # Only the hybrid target replays after a rollback; attention trims its KV and is done.
+    assert hybrid["summary"]["settings"]["α=0.6"]["replayed_tokens"] > 0
+    assert attention["summary"]["settings"]["α=0.6"]["replayed_tokens"] == 0
+
+
+def test_markdown_tables_and_same_tokens_column(quick_report: tuple[dict[str, Any], str, Any]) -> None:
+    _, markdown, proc = quick_report
+    assert markdown.strip() in proc.stdout  # printed and written alike
+    lines = markdown.splitlines()
+    header = next(line for line in lines if line.startswith("| # | scenario"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    same = columns.index("same tokens")
+    body = lines[lines.index(header) + 2:]
+    rows = body[:next((i for i, line in enumerate(body) if not line.startswith("|")), len(body))]
+    assert len(rows) == 3
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == len(columns) and cells[same].startswith("yes"), row
+    for title in ("scenario 4", "scenario 6", "scenario 7", "### Goals"):
+        assert title in markdown
+
+
+# -- the controlled-acceptance drafter, on its own (no model) -----------------------------------
+
+
+def _item(seq: int, history: list[int], max_len: int) -> Any:
+    from hyspec.drafters import DraftItem
+
+    return DraftItem(seq=seq, history=history, max_len=max_len)
+
+
+def test_oracle_drafts_the_reference_and_stops_at_its_first_wrong_token() -> None:
+    from hyspec.drafters.oracle import OracleDrafter
+
+    prompt, reference = [1, 2, 3], list(range(100, 140))
+    always = OracleDrafter(alpha=1.0)
+    always.add_reference(prompt, reference)
+    # history = prompt + the 5 tokens accepted so far: the draft continues at reference[5]
+    assert always.propose([_item(0, prompt + reference[:5], 8)]) == [reference[5:13]]
+    assert always.propose([_item(0, prompt + reference[:38], 8)]) == [reference[38:40]]  # the reference ends
+    never = OracleDrafter(alpha=0.0)
+    never.add_reference(prompt, reference)
+    [draft] = never.propose([_item(0, prompt + reference[:5], 8)])
+    assert len(draft) == 1 and draft[0] != reference[5]
+    assert never.propose([_item(1, [9, 9, 9, 9], 8)]) == [[]]  # a prompt it has no reference for
+
+
+def test_oracle_acceptance_is_alpha_and_divergence_stops_drafting() -> None:
+    from hyspec.drafters.oracle import OracleDrafter
+
+    prompt, reference = [5, 6], list(range(1000, 1100))
+    drafter = OracleDrafter(alpha=0.6, seed=3)
+    drafter.add_reference(prompt, reference)
+    drafted = accepted = 0
+    for done in range(1, 90):
+        for seq in range(30):
+            [draft] = drafter.propose([_item(seq, prompt + reference[:done], 8)])
+            drafted += len(draft)
+            accepted += sum(1 for k, token in enumerate(draft) if token == reference[done + k])
+    assert abs(accepted / drafted - 0.6) < 0.03
+    drafter.release(0)
+    assert drafter.propose([_item(0, prompt + [7, 7], 8)]) == [[]]  # off the reference: nothing to propose
+    assert drafter.diverged == 1
+    assert drafter.propose([_item(0, prompt + reference[:3], 8)]) == [[]]  # stays off until released
