@@ -70,34 +70,61 @@ class Engine:
         if not 0 <= config.draft_min <= config.draft_max <= MAX_DRAFT:
             raise ValueError(f"need 0 <= draft-min <= draft-max <= {MAX_DRAFT}")
         self.config = config
+        self._accepting = True
+        self._lock = threading.Lock()
+        # Everything that computes with llama.cpp runs on the worker thread: a second thread
+        # decoding even once leaves a second OpenMP thread pool behind, and the two slow every
+        # later decode down (measured 10-90%).
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                self._start(drafter_overrides or {})
+            except BaseException as e:  # reported to the constructing thread
+                failure.append(e)
+                return
+            finally:
+                ready.set()
+            self.scheduler.run()
+
+        self._thread = threading.Thread(target=work, name="hyspec-worker", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        log.info("engine ready: %s (%s, rollback %s), %d slot(s) x %d tokens, speculation %s",
+                 config.model, self.model.arch, self.rollback_method.value, config.slots, self.n_ctx_seq,
+                 self.default_spec.value)
+
+    def _start(self, drafter_overrides: dict[SpecMode, Drafter]) -> None:
+        """Load the models, make the contexts and the scheduler (on the worker thread)."""
+        config = self.config
         threads = config.threads or os.cpu_count() or 1
         self.model = _load(config.model, config.progress)
         self.draft_model = _load(config.draft, config.progress) if config.draft else None
         if self.draft_model is not None:
             check_same_vocab(self.model, self.draft_model)
+        # One KV buffer for all slots: llama.cpp then puts every slot's tokens in one ubatch
+        # (with a buffer per slot it splits the batch by sequence). The scheduler keeps each
+        # slot within its share.
         self.ctx = Context(self.model, n_ctx=config.ctx * config.slots, n_batch=config.batch,
-                           n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads)
-        self.n_ctx_seq = self.ctx.n_ctx_seq
+                           n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads, kv_unified=True)
+        self.n_ctx_seq = self.ctx.n_ctx // config.slots
         self.rollback_method = probe_rollback(self.ctx)
         drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter()}
         if self.draft_model is not None:
             drafters[SpecMode.DRAFT] = DraftModelDrafter(
                 self.draft_model, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,
                 n_threads=threads)
-        drafters.update(drafter_overrides or {})
+        drafters.update(drafter_overrides)
         self.default_spec = config.spec or (SpecMode.DRAFT if SpecMode.DRAFT in drafters else SpecMode.NGRAM)
         if self.default_spec not in drafters and self.default_spec is not SpecMode.OFF:
             raise ValueError("--spec draft needs a draft model (--draft PATH)")
         self.scheduler = Scheduler(target=self.ctx, rollback=SeqRollback(self.ctx, self.rollback_method),
                                    drafters=drafters, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq,
                                    n_batch=config.batch)
-        self._accepting = True
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self.scheduler.run, name="hyspec-worker", daemon=True)
-        self._thread.start()
-        log.info("engine ready: %s (%s, rollback %s), %d slot(s) x %d tokens, speculation %s",
-                 config.model, self.model.arch, self.rollback_method.value, config.slots, self.n_ctx_seq,
-                 self.default_spec.value)
 
     # -- requests --------------------------------------------------------------------------
 

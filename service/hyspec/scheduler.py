@@ -10,6 +10,7 @@ touches the native contexts.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import time
@@ -23,7 +24,7 @@ from hyspec.draft_policy import DraftPolicy
 from hyspec.drafters import Drafter, DraftItem
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
-from hyspec.rollback import Checkpoint, SeqRollback
+from hyspec.rollback import Checkpoint, RollbackMethod, SeqRollback
 from hyspec.types import FinishReason, Result, SamplingParams, SpecMode, Stats
 
 log = logging.getLogger("hyspec.scheduler")
@@ -88,7 +89,7 @@ class Scheduler:
         self.n_batch = n_batch
         self.inbox: queue.SimpleQueue[Job | RequestHandle | _Stop] = queue.SimpleQueue()
         self.waiting: deque[Job] = deque()
-        self.free_seqs: list[int] = list(range(n_slots - 1, -1, -1))
+        self.free_seqs: list[int] = list(range(n_slots))  # a heap: the lowest free id first
         self.slots: dict[int, Slot] = {}
 
     # -- commands, from any thread ---------------------------------------------------------
@@ -163,7 +164,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and self.free_seqs:
             job = self.waiting.popleft()
-            seq = self.free_seqs.pop()
+            seq = heapq.heappop(self.free_seqs)
             slot = Slot(seq=seq, job=job, history=list(job.prompt), policy=DraftPolicy(job.draft_max, job.adaptive))
             slot.stats.prompt_tokens = len(job.prompt)
             slot.stats.accepted_by_position = [0] * job.draft_max
@@ -185,7 +186,7 @@ class Scheduler:
         for drafter in self.drafters.values():
             drafter.release(slot.seq)
         del self.slots[slot.seq]
-        self.free_seqs.append(slot.seq)
+        heapq.heappush(self.free_seqs, slot.seq)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -193,8 +194,10 @@ class Scheduler:
         for slot in list(self.slots.values()):
             if slot.n_mem + len(slot.feed) > self.n_ctx_seq:
                 self._finish(slot, FinishReason.LENGTH)  # no room for the next token
-        generating = [s for s in self.slots.values() if s.generating]
-        prefilling = [s for s in self.slots.values() if not s.generating]
+        # In sequence order: llama.cpp keeps consecutive ascending sequences in one ubatch.
+        slots = sorted(self.slots.values(), key=lambda s: s.seq)
+        generating = [s for s in slots if s.generating]
+        prefilling = [s for s in slots if not s.generating]
         drafts = self._drafts(generating)
 
         plan: list[_Planned] = []
@@ -281,6 +284,12 @@ class Scheduler:
         for mode, items in by_drafter.items():
             for item, draft in zip(items, self.drafters[mode].propose(items), strict=True):
                 drafts[item.seq] = draft
+        if self.rollback.method is RollbackMethod.CHECKPOINT and len(generating) > 1:
+            # Recurrent memory makes llama.cpp split a batch into ubatches holding the same
+            # number of tokens of every sequence, one weight pass each: cutting the drafts to
+            # one length keeps a step at most two passes (slots without a draft have one token).
+            common = min((len(d) for d in drafts.values() if d), default=0)
+            drafts = {seq: d[:common] for seq, d in drafts.items()}
         return drafts
 
     def _sample(self, slot: Slot, output: int, argmax: np.ndarray | None) -> int:

@@ -49,7 +49,7 @@ class DraftModelDrafter:
     def __init__(self, model: Model, *, n_slots: int, n_ctx_seq: int, n_batch: int, n_threads: int) -> None:
         self.ctx = Context(
             model, n_ctx=n_ctx_seq * n_slots, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_slots,
-            n_threads=n_threads,
+            n_threads=n_threads, kv_unified=True,
         )
         self.n_batch = n_batch
         self.rollback = SeqRollback(self.ctx, probe_rollback(self.ctx))
