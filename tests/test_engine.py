@@ -456,3 +456,18 @@ def test_cli_json_matches_the_engine(tiny_lfm2: Path, tiny_lfm2_q8: Path, make_e
 def test_cli_streams_text(tiny_lfm2: Path) -> None:
     proc = run_cli("--model", str(tiny_lfm2), "--prompt", "Hello", "--max-tokens", "8", "--ignore-eos")
     assert proc.returncode == 0 and proc.stdout.strip() and "tok/s" in proc.stderr
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_snapshot_ring_rollback_equals_plain(slots: int, tiny_lfm2: Path, tiny_lfm2_q8: Path,
+                                             make_engine: EngineFactory) -> None:
+    single = make_engine(tiny_lfm2)
+    references = [plain(single, p).token_ids for p in PROMPTS]
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, draft_max=4, slots=slots, rs_snapshots=4)
+    assert engine.info()["rollback"] == "ring"
+    handles = [engine.submit(request(p, SpecMode.DRAFT)) for p in PROMPTS]
+    results = [h.result() for h in handles]
+    for prompt, reference, result in zip(PROMPTS, references, results, strict=True):
+        assert_same_or_tie(tiny_lfm2, prompt, reference, result.token_ids)
+    assert sum(r.stats.rollbacks for r in results) > 0
+    assert all(r.stats.replayed_tokens == 0 for r in results)

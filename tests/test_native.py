@@ -311,3 +311,21 @@ def test_stub_describes_the_module() -> None:
         if isinstance(cls, ast.ClassDef) and cls.name in ("Model", "Context", "Sampler"):
             members = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("__")}
             assert members <= set(dir(getattr(N, cls.name))), cls.name
+
+
+@pytest.mark.parametrize("keep", [1, 3, 7])
+def test_snapshot_ring_trims_inside_the_last_batch(tiny_lfm2: Path, keep: int) -> None:
+    """With n_rs_seq snapshots, a tail of the last batch can be removed from hybrid memory
+    as long as one of its tokens stays; the state then equals a context that never held it."""
+    model = N.Model(str(tiny_lfm2))
+    ring = N.Context(model, n_ctx=512, n_threads=2, n_rs_seq=8)
+    assert ring.n_rs_seq == 8
+    decode_all(ring, PROMPT, 0)
+    decode_all(ring, MORE, len(PROMPT))
+    assert ring.memory_seq_rm(0, len(PROMPT) + keep, -1)
+    decode_all(ring, [42], len(PROMPT) + keep)
+    fresh = make_ctx(tiny_lfm2)
+    decode_all(fresh, PROMPT, 0)
+    decode_all(fresh, MORE[:keep], len(PROMPT))
+    decode_all(fresh, [42], len(PROMPT) + keep)
+    np.testing.assert_allclose(ring.logits(-1), fresh.logits(-1), atol=2e-3)

@@ -82,6 +82,9 @@ def _engine_flags(p: argparse.ArgumentParser, slots: int, log_level: str) -> Non
     _flag(g, "--draft-min", type=_non_negative, default=0, help="fewest draft tokens worth verifying")
     _flag(g, "--fixed-draft", action="store_true",
           help="always draft draft-max tokens, even while they are rejected (default: adaptive length)")
+    _flag(g, "--rs-snapshots", type=_non_negative, default=0,
+          help="hybrid targets: keep this many recurrent-state snapshots per slot (llama.cpp n_rs_seq, "
+               "EXPERIMENTAL) and roll back without checkpoint and replay; drafts are then at most this long")
     _flag(g, "--slots", type=_positive, default=slots, help="concurrent sequences")
     _flag(g, "--ctx", type=_positive, default=4096, help="context tokens per slot")
     _flag(g, "--threads", type=_non_negative, default=0, help="CPU threads (0: all cores)")
@@ -160,7 +163,8 @@ def _engine_config(args: argparse.Namespace, max_queue: int = 64, progress: bool
 
         model = gemma_path(progress=progress)
     return EngineConfig(model=model, draft=args.draft, spec=args.spec, draft_min=args.draft_min,
-                        draft_max=args.draft_max, adaptive_draft=not args.fixed_draft, slots=args.slots,
+                        draft_max=args.draft_max, adaptive_draft=not args.fixed_draft,
+                        rs_snapshots=args.rs_snapshots, slots=args.slots,
                         ctx=args.ctx, threads=args.threads, batch=args.batch, max_queue=max_queue,
                         progress=progress)
 

@@ -29,6 +29,8 @@ from hyspec.types import ErrorCode, FinishReason, GenerationRequest, RequestErro
 log = logging.getLogger("hyspec.engine")
 
 MAX_DRAFT = 64
+# llama.cpp reports graph overflows for LFM2 from about 24 recurrent snapshots.
+MAX_RS_SNAPSHOTS = 16
 
 
 @dataclass
@@ -39,6 +41,7 @@ class EngineConfig:
     draft_min: int = 0
     draft_max: int = 8
     adaptive_draft: bool = True  # shorten or pause drafting while drafts are rejected
+    rs_snapshots: int = 0  # >0: hybrid targets keep a snapshot ring instead of checkpoint + replay
     slots: int = 1
     ctx: int = 4096  # tokens per slot
     threads: int = 0  # 0: every core
@@ -69,6 +72,8 @@ class Engine:
             raise ValueError("ctx must be at least 8 tokens")
         if not 0 <= config.draft_min <= config.draft_max <= MAX_DRAFT:
             raise ValueError(f"need 0 <= draft-min <= draft-max <= {MAX_DRAFT}")
+        if not 0 <= config.rs_snapshots <= MAX_RS_SNAPSHOTS:
+            raise ValueError(f"rs-snapshots must be between 0 and {MAX_RS_SNAPSHOTS}")
         self.config = config
         self._accepting = True
         self._lock = threading.Lock()
@@ -109,8 +114,10 @@ class Engine:
         # One KV buffer for all slots: llama.cpp then puts every slot's tokens in one ubatch
         # (with a buffer per slot it splits the batch by sequence). The scheduler keeps each
         # slot within its share.
+        recurrent = self.model.is_hybrid or self.model.is_recurrent
         self.ctx = Context(self.model, n_ctx=config.ctx * config.slots, n_batch=config.batch,
-                           n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads, kv_unified=True)
+                           n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads, kv_unified=True,
+                           n_rs_seq=config.rs_snapshots if recurrent else 0)
         self.n_ctx_seq = self.ctx.n_ctx // config.slots
         self.rollback_method = probe_rollback(self.ctx)
         drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter()}
@@ -124,7 +131,7 @@ class Engine:
             raise ValueError("--spec draft needs a draft model (--draft PATH)")
         self.scheduler = Scheduler(target=self.ctx, rollback=SeqRollback(self.ctx, self.rollback_method),
                                    drafters=drafters, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq,
-                                   n_batch=config.batch)
+                                   n_batch=config.batch, max_rollback=self.ctx.n_rs_seq or None)
 
     # -- requests --------------------------------------------------------------------------
 

@@ -5,8 +5,14 @@ Attention memory keeps one entry per position, so dropping the rejected tail wit
 DeltaNet) keep one rolling state per sequence, so a partial tail cannot be removed: the
 seed's algorithm saves the recurrent part (``PARTIAL_ONLY``) before speculating, and on a
 rejection restores it, trims the attention part with ``memory_seq_rm`` and replays the
-accepted tokens. The replay is left to the caller: it feeds those tokens again, without
-logits, at the front of its next decode.
+accepted tokens. The replay is left to the caller.
+
+Where the context keeps a ring of recurrent-state snapshots (llama.cpp's EXPERIMENTAL
+``n_rs_seq``), ``memory_seq_rm`` of a tail of at most that many tokens of the last decode
+works on recurrent memory too, and a rollback needs neither checkpoint nor replay. It is
+only valid inside the last decoded batch and while at least one of its tokens is kept (seen
+here: removing a whole batch, or reaching into an earlier one, leaves a wrong state); a
+verify batch always keeps its first token, the last sampled one.
 """
 
 from __future__ import annotations
@@ -20,11 +26,15 @@ from hyspec._native import Context
 class RollbackMethod(str, enum.Enum):
     SEQ_RM = "seq_rm"  # attention only: trim the tail
     CHECKPOINT = "checkpoint"  # recurrent state: restore a partial checkpoint, trim, replay
+    RING = "ring"  # recurrent state with a snapshot ring: trim a bounded tail
 
 
 def probe_rollback(ctx: Context) -> RollbackMethod:
     """Which method ``ctx`` needs, found the way llama.cpp's common_context_can_seq_rm does:
-    decode two tokens on sequence 0 and try to remove the second."""
+    a snapshot ring if it has one, else decode two tokens on sequence 0 and try to remove
+    the second."""
+    if ctx.n_rs_seq > 0:
+        return RollbackMethod.RING
     ctx.memory_clear()
     try:
         ctx.decode([0, 0], [0, 1], [0, 0], [False, False])
@@ -54,7 +64,7 @@ class SeqRollback:
 
         Reuses ``current`` when it is already at that length (after a rollback the restored
         state is still the one saved), and needs none on attention memory."""
-        if self.method is RollbackMethod.SEQ_RM:
+        if self.method is not RollbackMethod.CHECKPOINT:
             return None
         if current is not None and current.n_tokens == n_tokens:
             return current
@@ -64,7 +74,7 @@ class SeqRollback:
         """Cut ``seq`` back to at most ``n_keep`` tokens; returns the length it now has.
 
         Tokens between the returned length and ``n_keep`` must be replayed by the caller."""
-        if self.method is RollbackMethod.SEQ_RM:
+        if self.method is not RollbackMethod.CHECKPOINT:
             if not self.ctx.memory_seq_rm(seq, n_keep, -1):
                 raise RuntimeError(f"memory_seq_rm refused to trim sequence {seq} at {n_keep}")
             return n_keep

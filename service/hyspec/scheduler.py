@@ -80,13 +80,14 @@ class _Stop:
 
 class Scheduler:
     def __init__(self, *, target: Context, rollback: SeqRollback, drafters: dict[SpecMode, Drafter],
-                 n_slots: int, n_ctx_seq: int, n_batch: int) -> None:
+                 n_slots: int, n_ctx_seq: int, n_batch: int, max_rollback: int | None = None) -> None:
         self.ctx = target
         self.model: Model = target.model
         self.rollback = rollback
         self.drafters = drafters
         self.n_ctx_seq = n_ctx_seq
         self.n_batch = n_batch
+        self.max_rollback = max_rollback  # a snapshot ring bounds how many tokens can be dropped
         self.inbox: queue.SimpleQueue[Job | RequestHandle | _Stop] = queue.SimpleQueue()
         self.waiting: deque[Job] = deque()
         self.free_seqs: list[int] = list(range(n_slots))  # a heap: the lowest free id first
@@ -277,14 +278,14 @@ class Scheduler:
                 continue
             room = self.n_ctx_seq - slot.n_mem - len(slot.feed)
             left = job.output.remaining - 1  # the target always adds one token of its own
-            max_len = min(slot.policy.length(), room, left)
+            max_len = min(slot.policy.length(), room, left, self.max_rollback or job.draft_max)
             if max_len >= max(1, job.draft_min):
                 by_drafter.setdefault(job.spec, []).append(DraftItem(slot.seq, slot.history, max_len))
         drafts: dict[int, list[int]] = {}
         for mode, items in by_drafter.items():
             for item, draft in zip(items, self.drafters[mode].propose(items), strict=True):
                 drafts[item.seq] = draft
-        if self.rollback.method is RollbackMethod.CHECKPOINT and len(generating) > 1:
+        if self.rollback.method is not RollbackMethod.SEQ_RM and len(generating) > 1:
             # Recurrent memory makes llama.cpp split a batch into ubatches holding the same
             # number of tokens of every sequence, one weight pass each: cutting the drafts to
             # one length keeps a step at most two passes (slots without a draft have one token).

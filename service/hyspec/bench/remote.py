@@ -45,6 +45,8 @@ class HyspecService:
             argv += ["--draft", config.draft]
         if not config.adaptive_draft:
             argv.append("--fixed-draft")
+        if config.rs_snapshots:
+            argv += ["--rs-snapshots", str(config.rs_snapshots)]
         self.log_path = log_path
         self.start_timeout = start_timeout
         self._log = log_path.open("w")

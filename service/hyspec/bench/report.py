@@ -176,8 +176,9 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                 continue
             settings = s["settings"]
             top = max((v["tokens_per_second"] or 0.0) for v in settings.values())
+            target = f"{r.target}, snapshot ring" if "ring" in r.name else r.target
             for label, v in settings.items():
-                rows.append([r.target, label, _f(v["tokens_per_second"]), _x(v["vs_plain"]), _pct(v["acceptance"]),
+                rows.append([target, label, _f(v["tokens_per_second"]), _x(v["vs_plain"]), _pct(v["acceptance"]),
                              _f(v["rollbacks"], 0), _f(v["replayed_tokens"], 0),
                              f"{_f(v['checkpoint_ms'], 0)} / {_f(v['restore_ms'], 0)} / {_f(v['replay_ms'], 0)}",
                              _f(v["ms_per_rollback"], 2), _pct(v["share_of_time"]), r.same_tokens,

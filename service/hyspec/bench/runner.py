@@ -150,10 +150,11 @@ class Runner:
         return self.log_dir / f"{self._n:02d}-{what}.log"
 
     def _worker_config(self, target: ModelSpec, draft: ModelSpec | None = None, slots: int = 1,
-                       oracle: bool = False) -> WorkerConfig:
+                       oracle: bool = False, ring: bool = False) -> WorkerConfig:
         return WorkerConfig(model=str(self.paths[target]), draft=str(self.paths[draft]) if draft else None,
                             slots=slots, ctx=self.s.ctx, threads=self.s.threads, batch=self.s.batch,
                             draft_max=self.s.draft_max, oracle=oracle,
+                            rs_snapshots=self.s.draft_max if ring else 0,
                             # Controlled acceptance measures fixed drafts: a policy would change α.
                             adaptive_draft=self.s.adaptive_draft and not oracle)
 
@@ -188,7 +189,7 @@ class Runner:
         hy, ll = result.sides.setdefault(HYSPEC, Side()), result.sides.setdefault(LLAMA, Side())
         with contextlib.ExitStack() as stack:
             peer, worker = _start(stack, lambda: self._peer(sc.target, sc.spec, sc.draft),
-                                  lambda: self._worker(self._worker_config(sc.target, sc.draft)))
+                                  lambda: self._worker(self._worker_config(sc.target, sc.draft, ring=sc.ring)))
             # Pair i gets prompt i + 1 on both sides; prompt 0 is the warm-up.
             prompts = [worker.tokenize(variant(sc.prompt, i)) for i in range(self.s.pairs + 1)]
             result.prompt_tokens = len(prompts[0])
@@ -209,7 +210,7 @@ class Runner:
 
     def _oracle(self, sc: Oracle, target: ModelSpec, progress: Callable[[str], None]) -> Result:
         result = Result("oracle", sc.number, sc.name, target.label, "oracle", goal=None)
-        with self._worker(self._worker_config(target, oracle=True)) as worker:
+        with self._worker(self._worker_config(target, oracle=True, ring=sc.ring)) as worker:
             prompt = worker.tokenize(sc.prompt)
             result.prompt_tokens = len(prompt)
             run = {"max_tokens": self.s.max_tokens, "draft_max": self.s.draft_max}

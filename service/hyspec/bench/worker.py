@@ -39,6 +39,7 @@ class WorkerConfig:
     draft_max: int = 8
     adaptive_draft: bool = True  # the engine's default; False drafts draft_max tokens every step
     oracle: bool = False  # plug the controlled-acceptance drafter in as the n-gram mode
+    rs_snapshots: int = 0  # >0: roll hybrid targets back with llama.cpp's snapshot ring
 
 
 # -- the child ----------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def _serve(config: WorkerConfig, stdin: IO[str], stdout: IO[str]) -> None:
     oracle: OracleDrafter | None = None
     engine_config = EngineConfig(model=Path(config.model), draft=Path(config.draft) if config.draft else None,
                                  spec=SpecMode.OFF, draft_max=config.draft_max, adaptive_draft=config.adaptive_draft,
-                                 slots=config.slots, ctx=config.ctx,
+                                 rs_snapshots=config.rs_snapshots, slots=config.slots, ctx=config.ctx,
                                  threads=config.threads, batch=config.batch, max_queue=64)
     if config.oracle:
         oracle = OracleDrafter()
