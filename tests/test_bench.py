@@ -91,18 +91,18 @@ def test_controlled_acceptance_keeps_the_output_and_counts_rollbacks(
         quick_report: tuple[dict[str, Any], str, Any]) -> None:
     report, _, _ = quick_report
     oracle = [r for r in report["results"] if r["kind"] == "oracle"]
-    assert len(oracle) == 3  # the hybrid target (checkpoint, then snapshot ring) and the attention one
+    assert len(oracle) == 3  # the hybrid target (snapshot ring, then checkpoint + replay) and the attention one
     for r in oracle:
         settings = r["summary"]["settings"]
         assert set(settings) == {"plain", "α=0.6"}
         assert settings["plain"]["acceptance"] is None and settings["plain"]["rollbacks"] == 0
         spec = settings["α=0.6"]
         assert 0.0 < spec["acceptance"] < 1.0 and spec["rollbacks"] > 0
-    hybrid, ring = [r for r in oracle if r["target"].startswith("LFM2")]
+    ring, hybrid = [r for r in oracle if r["target"].startswith("LFM2")]
     attention = next(r for r in oracle if r["target"].startswith("llama"))
     # Only the hybrid target with checkpoints replays after a rollback; attention trims its KV,
-    # and so does the hybrid with a snapshot ring.
-    assert "ring" not in hybrid["name"] and "ring" in ring["name"]
+    # and so does the hybrid with a snapshot ring (the default).
+    assert "checkpoint" in hybrid["name"] and "checkpoint" not in ring["name"]
     assert hybrid["summary"]["settings"]["α=0.6"]["replayed_tokens"] > 0
     assert ring["summary"]["settings"]["α=0.6"]["replayed_tokens"] == 0
     assert attention["summary"]["settings"]["α=0.6"]["replayed_tokens"] == 0

@@ -82,9 +82,10 @@ def _engine_flags(p: argparse.ArgumentParser, slots: int, log_level: str) -> Non
     _flag(g, "--draft-min", type=_non_negative, default=0, help="fewest draft tokens worth verifying")
     _flag(g, "--fixed-draft", action="store_true",
           help="always draft draft-max tokens, even while they are rejected (default: adaptive length)")
-    _flag(g, "--rs-snapshots", type=_non_negative, default=0,
-          help="hybrid targets: keep this many recurrent-state snapshots per slot (llama.cpp n_rs_seq, "
-               "EXPERIMENTAL) and roll back without checkpoint and replay; drafts are then at most this long")
+    _flag(g, "--rs-snapshots", type=_non_negative, default=None,
+          help="hybrid targets: recurrent-state snapshots per slot (llama.cpp n_rs_seq), so a rollback is a "
+               "trim, with no checkpoint or replay; drafts are at most this long; 0: checkpoint + replay "
+               "(default: draft-max, at most 16)")
     _flag(g, "--slots", type=_positive, default=slots, help="concurrent sequences")
     _flag(g, "--ctx", type=_positive, default=4096, help="context tokens per slot")
     _flag(g, "--threads", type=_non_negative, default=0, help="CPU threads (0: all cores)")
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(b, "--llama-server", type=Path,
           help="llama-server binary (default: the one `make llama-server` builds in the cache)")
     _flag(b, "--models-dir", type=Path, help="where generated bench models are cached (default: in the cache)")
-    _flag(b, "--max-tokens", type=_positive, help="tokens per request (default: 128; 32 with --quick)")
+    _flag(b, "--max-tokens", type=_positive, help="tokens per request (default: 64; 32 with --quick)")
     _flag(b, "--pairs", type=_positive, default=3, help="measured hyspec/llama-server pairs after the warm-up")
     _flag(b, "--draft-max", type=_positive, default=8, help="most draft tokens per step, both sides")
     _flag(b, "--threads", type=_non_negative, default=0, help="CPU threads, both sides (0: all cores)")

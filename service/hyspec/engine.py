@@ -41,7 +41,9 @@ class EngineConfig:
     draft_min: int = 0
     draft_max: int = 8
     adaptive_draft: bool = True  # shorten or pause drafting while drafts are rejected
-    rs_snapshots: int = 0  # >0: hybrid targets keep a snapshot ring instead of checkpoint + replay
+    # Hybrid targets: recurrent-state snapshots kept per slot, so that a rollback is a plain trim
+    # (no checkpoint, no replay). None: draft_max of them (at most MAX_RS_SNAPSHOTS); 0: checkpoints.
+    rs_snapshots: int | None = None
     slots: int = 1
     ctx: int = 4096  # tokens per slot
     threads: int = 0  # 0: every core
@@ -72,7 +74,7 @@ class Engine:
             raise ValueError("ctx must be at least 8 tokens")
         if not 0 <= config.draft_min <= config.draft_max <= MAX_DRAFT:
             raise ValueError(f"need 0 <= draft-min <= draft-max <= {MAX_DRAFT}")
-        if not 0 <= config.rs_snapshots <= MAX_RS_SNAPSHOTS:
+        if config.rs_snapshots is not None and not 0 <= config.rs_snapshots <= MAX_RS_SNAPSHOTS:
             raise ValueError(f"rs-snapshots must be between 0 and {MAX_RS_SNAPSHOTS}")
         self.config = config
         self._accepting = True
@@ -103,6 +105,11 @@ class Engine:
                  config.model, self.model.arch, self.rollback_method.value, config.slots, self.n_ctx_seq,
                  self.default_spec.value)
 
+    def _ring_size(self) -> int:
+        if self.config.rs_snapshots is not None:
+            return self.config.rs_snapshots
+        return min(self.config.draft_max, MAX_RS_SNAPSHOTS)
+
     def _start(self, drafter_overrides: dict[SpecMode, Drafter]) -> None:
         """Load the models, make the contexts and the scheduler (on the worker thread)."""
         config = self.config
@@ -117,7 +124,7 @@ class Engine:
         recurrent = self.model.is_hybrid or self.model.is_recurrent
         self.ctx = Context(self.model, n_ctx=config.ctx * config.slots, n_batch=config.batch,
                            n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads, kv_unified=True,
-                           n_rs_seq=config.rs_snapshots if recurrent else 0)
+                           n_rs_seq=self._ring_size() if recurrent else 0)
         self.n_ctx_seq = self.ctx.n_ctx // config.slots
         self.rollback_method = probe_rollback(self.ctx)
         drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter()}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hyspec._native import Context, Model, Sampler
-from hyspec.draft_policy import DraftPolicy
+from hyspec.draft_policy import DraftPolicy, StepCosts
 from hyspec.drafters import Drafter, DraftItem
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
@@ -88,6 +88,7 @@ class Scheduler:
         self.n_ctx_seq = n_ctx_seq
         self.n_batch = n_batch
         self.max_rollback = max_rollback  # a snapshot ring bounds how many tokens can be dropped
+        self.costs = StepCosts()  # what decoding, drafting and replaying take here
         self.inbox: queue.SimpleQueue[Job | RequestHandle | _Stop] = queue.SimpleQueue()
         self.waiting: deque[Job] = deque()
         self.free_seqs: list[int] = list(range(n_slots))  # a heap: the lowest free id first
@@ -166,7 +167,8 @@ class Scheduler:
         while self.waiting and self.free_seqs:
             job = self.waiting.popleft()
             seq = heapq.heappop(self.free_seqs)
-            slot = Slot(seq=seq, job=job, history=list(job.prompt), policy=DraftPolicy(job.draft_max, job.adaptive))
+            policy = DraftPolicy(job.draft_max, job.adaptive, costs=self.costs)
+            slot = Slot(seq=seq, job=job, history=list(job.prompt), policy=policy)
             slot.stats.prompt_tokens = len(job.prompt)
             slot.stats.accepted_by_position = [0] * job.draft_max
             self.slots[seq] = slot
@@ -236,8 +238,11 @@ class Scheduler:
                 wants += [False] * (p.n_feed - 1) + [True] * (1 + len(p.draft))
             else:
                 wants += [False] * (n - 1) + [p.n_feed == len(p.slot.feed)]
+        started = time.perf_counter()
         self.ctx.decode(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
                         np.asarray(seqs, np.int32), np.asarray(wants, bool))
+        if not prefilling:
+            self.costs.decoded(time.perf_counter() - started, sum(len(p.draft) for p in plan))
         argmax = self.ctx.argmax_all() if n_outputs else None
 
         for p in plan:
@@ -268,7 +273,9 @@ class Scheduler:
             seqs += [slot.seq] * len(lost)
             slot.n_mem += len(lost)
         if tokens:
+            started = time.perf_counter()
             self.ctx.decode(tokens, positions, seqs, [False] * len(tokens))
+            self.costs.replayed(time.perf_counter() - started)
 
     def _drafts(self, generating: list[Slot]) -> dict[int, list[int]]:
         by_drafter: dict[SpecMode, list[DraftItem]] = {}
@@ -283,7 +290,10 @@ class Scheduler:
                 by_drafter.setdefault(job.spec, []).append(DraftItem(slot.seq, slot.history, max_len))
         drafts: dict[int, list[int]] = {}
         for mode, items in by_drafter.items():
-            for item, draft in zip(items, self.drafters[mode].propose(items), strict=True):
+            started = time.perf_counter()
+            proposed = self.drafters[mode].propose(items)
+            self.costs.drafted(time.perf_counter() - started, sum(len(d) for d in proposed))
+            for item, draft in zip(items, proposed, strict=True):
                 drafts[item.seq] = draft
         if self.rollback.method is not RollbackMethod.SEQ_RM and len(generating) > 1:
             # Recurrent memory makes llama.cpp split a batch into ubatches holding the same

@@ -45,7 +45,7 @@ class HyspecService:
             argv += ["--draft", config.draft]
         if not config.adaptive_draft:
             argv.append("--fixed-draft")
-        if config.rs_snapshots:
+        if config.rs_snapshots is not None:
             argv += ["--rs-snapshots", str(config.rs_snapshots)]
         self.log_path = log_path
         self.start_timeout = start_timeout

@@ -176,7 +176,7 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                 continue
             settings = s["settings"]
             top = max((v["tokens_per_second"] or 0.0) for v in settings.values())
-            target = f"{r.target}, snapshot ring" if "ring" in r.name else r.target
+            target = f"{r.target}, checkpoint + replay" if "checkpoint" in r.name else r.target
             for label, v in settings.items():
                 rows.append([target, label, _f(v["tokens_per_second"]), _x(v["vs_plain"]), _pct(v["acceptance"]),
                              _f(v["rollbacks"], 0), _f(v["replayed_tokens"], 0),

@@ -35,7 +35,7 @@ class Options:
     markdown: Path | None = None
     llama_server: Path | None = None
     models_dir: Path | None = None
-    max_tokens: int | None = None  # None: 128, or 32 with --quick
+    max_tokens: int | None = None  # None: 64, or 32 with --quick
     pairs: int = 3
     draft_max: int = 8
     threads: int = 0  # 0: every core
@@ -94,7 +94,7 @@ def run_bench(opts: Options) -> int:
     if not binary.is_file():
         raise FileNotFoundError(f"llama-server not found at {binary}: build it with `make llama-server` "
                                 "(or pass --llama-server PATH, built from the pinned llama.cpp tree)")
-    settings = Settings(llama_server=binary, max_tokens=opts.max_tokens or (32 if opts.quick else 128),
+    settings = Settings(llama_server=binary, max_tokens=opts.max_tokens or (32 if opts.quick else 64),
                         pairs=opts.pairs, draft_max=opts.draft_max, threads=opts.threads or os.cpu_count() or 1,
                         ctx=opts.ctx, batch=opts.batch, adaptive_draft=not opts.fixed_draft)
     load = load_average()

@@ -150,11 +150,11 @@ class Runner:
         return self.log_dir / f"{self._n:02d}-{what}.log"
 
     def _worker_config(self, target: ModelSpec, draft: ModelSpec | None = None, slots: int = 1,
-                       oracle: bool = False, ring: bool = False) -> WorkerConfig:
+                       oracle: bool = False, ring: bool = True) -> WorkerConfig:
         return WorkerConfig(model=str(self.paths[target]), draft=str(self.paths[draft]) if draft else None,
                             slots=slots, ctx=self.s.ctx, threads=self.s.threads, batch=self.s.batch,
                             draft_max=self.s.draft_max, oracle=oracle,
-                            rs_snapshots=self.s.draft_max if ring else 0,
+                            rs_snapshots=None if ring else 0,
                             # Controlled acceptance measures fixed drafts: a policy would change α.
                             adaptive_draft=self.s.adaptive_draft and not oracle)
 
@@ -189,7 +189,7 @@ class Runner:
         hy, ll = result.sides.setdefault(HYSPEC, Side()), result.sides.setdefault(LLAMA, Side())
         with contextlib.ExitStack() as stack:
             peer, worker = _start(stack, lambda: self._peer(sc.target, sc.spec, sc.draft),
-                                  lambda: self._worker(self._worker_config(sc.target, sc.draft, ring=sc.ring)))
+                                  lambda: self._worker(self._worker_config(sc.target, sc.draft)))
             # Pair i gets prompt i + 1 on both sides; prompt 0 is the warm-up.
             prompts = [worker.tokenize(variant(sc.prompt, i)) for i in range(self.s.pairs + 1)]
             result.prompt_tokens = len(prompts[0])
@@ -217,9 +217,8 @@ class Runner:
             reference = worker.run([prompt], spec="off", **run).runs[0].tokens  # also the warm-up
             worker.call("reference", prompt=prompt, tokens=reference)
             settings: list[tuple[str, float | None]] = [("plain", None)] + [(f"α={a:g}", a) for a in sc.alphas]
-            for _, alpha in settings[1:]:  # warm-up of the speculative path
-                worker.call("alpha", alpha=alpha, seed=10_000)
-                worker.run([prompt], spec="ngram", **run)
+            worker.call("alpha", alpha=sc.alphas[0], seed=10_000)  # warm-up of the speculative path
+            worker.run([prompt], spec="ngram", **run)
             for i in range(self.s.pairs):
                 line = []
                 for label, alpha in settings:

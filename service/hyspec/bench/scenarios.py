@@ -40,7 +40,6 @@ class Versus:
     prompt: str
     draft: ModelSpec | None = None
     goal: float | None = 1.0  # wanted: hyspec / llama-server decode tokens/s at least this
-    ring: bool = False  # hyspec rolls a hybrid target back with llama.cpp's snapshot ring
     kind: ClassVar[str] = "versus"
 
     @property
@@ -57,7 +56,7 @@ class Oracle:
     prompt: str = PROSE
     number: int = 4
     name: str = "controlled acceptance"
-    ring: bool = False  # hyspec rolls a hybrid target back with llama.cpp's snapshot ring
+    ring: bool = True  # a hybrid target rolls back with the snapshot ring (False: checkpoint + replay)
     kind: ClassVar[str] = "oracle"
 
 
@@ -123,9 +122,9 @@ def full() -> list[Scenario]:
         Versus(2, "n-gram", q8_echo, "ngram", REPETITIVE),
         Versus(3, "draft: random 350M", f16, "draft", PROSE, draft=draft_random),
         Versus(3, "draft: Q8_0 copy", f16, "draft", PROSE, draft=q8),
-        Versus(3, "draft: Q8_0 copy, ring", f16, "draft", PROSE, draft=q8, ring=True),
         Oracle(targets=(f16, attention), alphas=(0.3, 0.6, 0.9)),
-        Oracle(targets=(f16,), alphas=(0.3, 0.6, 0.9), name="controlled acceptance, snapshot ring", ring=True),
+        Oracle(targets=(f16,), alphas=(0.3, 0.6, 0.9), name="controlled acceptance, checkpoint + replay",
+               ring=False),
         Versus(5, "plain", GEMMA, "off", FRANCE),
         Versus(5, "n-gram", GEMMA, "ngram", FRANCE),
         Streams(f16, streams=4),
@@ -144,7 +143,7 @@ def quick() -> list[Scenario]:
         Versus(2, "n-gram", tiny_echo, "ngram", REPETITIVE),
         Versus(3, "draft: Q8_0 copy", tiny, "draft", PROSE, draft=tiny_q8),
         Oracle(targets=(tiny, tiny_attention), alphas=(0.6,)),
-        Oracle(targets=(tiny,), alphas=(0.6,), name="controlled acceptance, snapshot ring", ring=True),
+        Oracle(targets=(tiny,), alphas=(0.6,), name="controlled acceptance, checkpoint + replay", ring=False),
         Streams(tiny, streams=4),
         Service(tiny),
     ]

@@ -39,7 +39,7 @@ class WorkerConfig:
     draft_max: int = 8
     adaptive_draft: bool = True  # the engine's default; False drafts draft_max tokens every step
     oracle: bool = False  # plug the controlled-acceptance drafter in as the n-gram mode
-    rs_snapshots: int = 0  # >0: roll hybrid targets back with llama.cpp's snapshot ring
+    rs_snapshots: int | None = None  # hybrid rollback: None the engine's default (a snapshot ring), 0 checkpoints
 
 
 # -- the child ----------------------------------------------------------------------------------

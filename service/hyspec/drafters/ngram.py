@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hyspec.drafters import DraftItem
 
-NGRAM_MAX = 4
+NGRAM_MAX = 8
 NGRAM_MIN = 2
 
 
