@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hyspec.bench.records import Batch, Run
-from hyspec.bench.system import free_port, peak_rss_kb, tail
+from hyspec.bench.system import ManagedProcess, end_process, free_port, tail
 from hyspec.paths import cache_dir
 
 log = logging.getLogger("hyspec.bench")
@@ -72,7 +72,7 @@ class PeerError(RuntimeError):
     pass
 
 
-class LlamaServer:
+class LlamaServer(ManagedProcess):
     """A running llama-server. Use as a context manager (it waits until the model is loaded)."""
 
     def __init__(self, config: PeerConfig, log_path: Path, *, env: dict[str, str] | None = None,
@@ -88,10 +88,6 @@ class LlamaServer:
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(config.argv(self.port), stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -146,26 +142,9 @@ class LlamaServer:
                 runs = list(pool.map(lambda p: self.complete(p, max_tokens), prompts))
         return Batch(runs=runs, wall_s=time.perf_counter() - t0, timers={})
 
-    def peak_rss_kb(self) -> int | None:
-        return peak_rss_kb(self.pid)
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_process(self.proc)
         self._log.close()
 
-    def __enter__(self) -> LlamaServer:
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -19,7 +19,7 @@ import grpc
 
 from hyspec import convert
 from hyspec.bench.records import Run
-from hyspec.bench.system import peak_rss_kb, tail
+from hyspec.bench.system import ManagedProcess, end_process, tail
 from hyspec.bench.worker import WorkerConfig
 from hyspec.convert import pb2, pb2_grpc
 from hyspec.types import GenerationRequest, SpecMode, SpecParams
@@ -33,7 +33,7 @@ class ServiceError(RuntimeError):
     pass
 
 
-class HyspecService:
+class HyspecService(ManagedProcess):
     """A running ``hyspec serve`` on a free loopback port. Use as a context manager."""
 
     def __init__(self, config: WorkerConfig, log_path: Path, *, env: dict[str, str] | None = None,
@@ -67,10 +67,6 @@ class HyspecService:
                 self._ready.set()
         self._ready.set()  # exited: wait_ready() sees no address
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def wait_ready(self) -> None:
         if not self._ready.wait(self.start_timeout) or self.address is None:
             raise ServiceError(f"hyspec serve did not become ready; its log ({self.log_path}) ends with:\n"
@@ -103,29 +99,12 @@ class HyspecService:
                    ttft_ms=((first or t0 + wall) - t0) * 1000.0, drafted=s.drafted, accepted=s.accepted,
                    rollbacks=s.rollbacks, replayed=s.replayed_tokens, wall_s=wall)
 
-    def peak_rss_kb(self) -> int | None:
-        return peak_rss_kb(self.pid)
-
     def stop(self) -> None:
         if self._channel is not None:
             self._channel.close()
         if self.proc.poll() is None:
             self.proc.terminate()  # SIGTERM: the graceful shutdown
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_process(self.proc)
         self._reader.join(timeout=5)
         self._log.close()
 
-    def __enter__(self) -> HyspecService:
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

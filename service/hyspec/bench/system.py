@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+_P = TypeVar("_P", bound="ManagedProcess")
 
 
 def peak_rss_kb(pid: int) -> int | None:
@@ -19,6 +22,46 @@ def peak_rss_kb(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def end_process(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """Wait for a process that was asked to stop; kill it when it has not within ``timeout``."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class ManagedProcess:
+    """A child process used as a context manager: ready on entry (stopped again when that
+    fails), stopped on exit. Subclasses start ``proc`` and define wait_ready() and stop()."""
+
+    proc: subprocess.Popen[Any]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def peak_rss_kb(self) -> int | None:
+        return peak_rss_kb(self.proc.pid)
+
+    def wait_ready(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _P) -> _P:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def tail(path: Path, lines: int = 20) -> str:

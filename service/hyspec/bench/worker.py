@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from hyspec.bench.records import Batch, Run
-from hyspec.bench.system import peak_rss_kb, tail
+from hyspec.bench.system import ManagedProcess, end_process, tail
 
 log = logging.getLogger("hyspec.bench")
 
@@ -169,7 +169,7 @@ class WorkerError(RuntimeError):
     pass
 
 
-class HyspecWorker:
+class HyspecWorker(ManagedProcess):
     """A running worker child. Use as a context manager; ``stop()`` ends it."""
 
     def __init__(self, config: WorkerConfig, log_path: Path, *, env: dict[str, str] | None = None) -> None:
@@ -180,10 +180,6 @@ class HyspecWorker:
             [sys.executable, "-m", "hyspec.bench.worker", json.dumps(asdict(config))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self.info: dict[str, Any] = {}
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def wait_ready(self) -> None:
         msg = self._read()
@@ -218,32 +214,15 @@ class HyspecWorker:
                                           "draft_max": draft_max} for p in prompts])
         return Batch(runs=[Run(**r) for r in msg["runs"]], wall_s=msg["wall_s"], timers=msg["timers"])
 
-    def peak_rss_kb(self) -> int | None:
-        return peak_rss_kb(self.pid)
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
                 self.call("quit")
             except (WorkerError, OSError, ValueError):
                 pass
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_process(self.proc)
         self._log.close()
 
-    def __enter__(self) -> HyspecWorker:
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":
