@@ -17,6 +17,7 @@ $(PY):
 # persistent build dir), then the project in editable mode with its test extras.
 install: $(PY)
 	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=2.13"
+	$(PY) scripts/llama_cpp.py libs  # visible progress; the extension build below then finds it cached
 	$(PIP) install --no-build-isolation -e ".[test]"
 	touch $(STAMP)
 
