@@ -167,7 +167,7 @@ def test_ngram_output_equals_plain_output(target: str, request_: pytest.FixtureR
 
 
 def test_gemma_ngram_and_self_draft_equal_plain(gemma: Path, make_engine: EngineFactory) -> None:
-    engine = make_engine(gemma, draft=gemma, draft_max=8, ctx=512, adaptive_draft=True)
+    engine = make_engine(gemma, draft=gemma, draft_max=8, ctx=512)
     prompt = engine.tokenize("The capital of France is")
     reference = plain(engine, prompt, max_tokens=64)
     ngram = engine.generate(request(prompt, SpecMode.NGRAM, max_tokens=64))
@@ -176,8 +176,10 @@ def test_gemma_ngram_and_self_draft_equal_plain(gemma: Path, make_engine: Engine
     self_draft = engine.generate(request(prompt, SpecMode.DRAFT, max_tokens=32))
     assert_same_or_tie(gemma, prompt, reference.token_ids[:32], self_draft.token_ids)
     # Not exactly 100% here, unlike the F32 tiny models: Q4_K logits move by up to ~0.5 between
-    # a one-token decode (the draft) and a batched one (the verify), which flips near-ties.
-    assert self_draft.stats.drafted > 0 and acceptance(self_draft) >= 0.8
+    # a one-token decode (the draft) and a batched one (the verify), which flips near-ties. Counted
+    # per compared position (each rollback is one mismatch; drafts after it were never compared).
+    stats = self_draft.stats
+    assert stats.drafted > 0 and stats.accepted / (stats.accepted + stats.rollbacks) >= 0.8
 
 
 # -- slots ------------------------------------------------------------------------------------
@@ -309,11 +311,9 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(gemma: Path, make
         handle = engine.submit(GenerationRequest(text=base.text, max_tokens=40, stop=[stop],
                                                  spec=SpecParams(mode=mode)))
         deltas = [e.text for e in handle if isinstance(e, Chunk)]
-        result = handle.result() if False else None
         streamed = "".join(deltas)
         assert streamed == full.text[:start]
         assert stop not in streamed
-        del result
     final = engine.generate(GenerationRequest(text=base.text, max_tokens=40, stop=[stop]))
     assert final.finish_reason is FinishReason.STOP and final.text == full.text[:start]
 

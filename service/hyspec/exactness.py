@@ -50,13 +50,6 @@ def _decode_logits(model_path: Path, prompt: list[int], outputs: list[int], batc
     return ctx.logits(-1)
 
 
-def top2_margin(model_path: Path, tokens: list[int], n_threads: int = 2) -> tuple[float, list[int]]:
-    """Margin between the two best next tokens after ``tokens`` (one batch), and those two."""
-    logits = _decode_logits(model_path, tokens, [], batched=True, n_threads=n_threads)
-    best = np.argsort(logits)[::-1][:2]
-    return float(logits[best[0]] - logits[best[1]]), [int(t) for t in best]
-
-
 @dataclass(frozen=True)
 class Comparison:
     """How two outputs for one prompt relate."""
