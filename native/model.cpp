@@ -52,7 +52,7 @@ bool on_progress(float fraction, void * user_data) {
 }  // namespace
 
 Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool vocab_only, py::object progress)
-    : path_(path) {
+    : path_(path), n_gpu_layers_(n_gpu_layers) {
     check_gguf_file(path);
     llama_model_params params = llama_model_default_params();
     params.n_gpu_layers = n_gpu_layers;
@@ -235,6 +235,9 @@ after close(). Loading releases the GIL.
              py::arg("progress") = py::none(),
              "Load a GGUF. `progress(fraction)` is called during loading. Raises ModelLoadError.")
         .def_property_readonly("path", &Model::path)
+        .def_property_readonly("n_gpu_layers", &Model::n_gpu_layers,
+                               "Layers llama.cpp was asked to offload to a GPU (negative: all); a CPU-only build "
+                               "offloads none whatever this says (see supports_gpu_offload()).")
         .def_property_readonly("n_vocab", &Model::n_vocab, "Number of tokens in the vocabulary.")
         .def_property_readonly("n_ctx_train", [](const Model & s) { return llama_model_n_ctx_train(s.handle()->ptr); })
         .def_property_readonly("n_embd", [](const Model & s) { return llama_model_n_embd(s.handle()->ptr); })

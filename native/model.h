@@ -31,6 +31,7 @@ public:
     void close() { handle_.reset(); }
     bool closed() const { return !handle_; }
     const std::string & path() const { return path_; }
+    int n_gpu_layers() const { return n_gpu_layers_; }
 
     int32_t n_vocab() const;
     // Throws InvalidArgumentError unless 0 <= token < n_vocab.
@@ -47,6 +48,7 @@ public:
 private:
     std::shared_ptr<ModelHandle> handle_;
     std::string path_;
+    int n_gpu_layers_ = 0;  // as passed to llama_model_params (negative: all layers)
 };
 
 void bind_model(pybind11::module_ & m);

@@ -69,7 +69,7 @@ void Sampler::accept(int64_t token) {
     llama_sampler_accept(chain_, static_cast<llama_token>(token));
 }
 
-py::tuple Sampler::distribution(Context & ctx, int64_t i) {
+std::vector<llama_token_data> Sampler::staged(Context & ctx, int64_t i) {
     Context::Guard guard(ctx);
     if (ctx.n_vocab() != n_vocab_) throw InvalidArgumentError("the sampler was made for another vocabulary size");
     const float * logits = llama_get_logits_ith(guard.get(), ctx.output_batch_index(i));
@@ -77,10 +77,16 @@ py::tuple Sampler::distribution(Context & ctx, int64_t i) {
     std::vector<llama_token_data> cur(n_vocab_);
     for (int32_t t = 0; t < n_vocab_; ++t) cur[t] = llama_token_data{t, logits[t], 0.0f};
     llama_token_data_array arr{cur.data(), cur.size(), -1, false};
-    // Every stage but the final selector (greedy / dist), which would draw from the RNG.
-    const int32_t n_stages = llama_sampler_chain_n(chain_);
-    for (int32_t s = 0; s + 1 < n_stages; ++s) llama_sampler_apply(llama_sampler_chain_get(chain_, s), &arr);
-    std::vector<llama_token_data> kept(arr.data, arr.data + arr.size);
+    {
+        py::gil_scoped_release release;  // top-p sorts the whole vocabulary
+        const int32_t n_stages = llama_sampler_chain_n(chain_);
+        for (int32_t s = 0; s + 1 < n_stages; ++s) llama_sampler_apply(llama_sampler_chain_get(chain_, s), &arr);
+    }
+    return std::vector<llama_token_data>(arr.data, arr.data + arr.size);
+}
+
+py::tuple Sampler::distribution(Context & ctx, int64_t i) {
+    std::vector<llama_token_data> kept = staged(ctx, i);
     std::sort(kept.begin(), kept.end(), [](const auto & a, const auto & b) { return a.logit > b.logit; });
     if (greedy_) kept.resize(1);
     py::array_t<int32_t> ids(kept.size());
@@ -93,6 +99,17 @@ py::tuple Sampler::distribution(Context & ctx, int64_t i) {
         probs.mutable_data()[k] = greedy_ ? 1.0f : static_cast<float>(std::exp(double(kept[k].logit) - max_logit) / total);
     }
     return py::make_tuple(ids, probs);
+}
+
+py::tuple Sampler::candidates(Context & ctx, int64_t i) {
+    const std::vector<llama_token_data> kept = staged(ctx, i);
+    py::array_t<int32_t> ids(kept.size());
+    py::array_t<float> logits(kept.size());
+    for (size_t k = 0; k < kept.size(); ++k) {
+        ids.mutable_data()[k] = kept[k].id;
+        logits.mutable_data()[k] = kept[k].logit;
+    }
+    return py::make_tuple(ids, logits);
 }
 
 void bind_sampler(py::module_ & m) {
@@ -115,6 +132,10 @@ and accepts the drawn token; accept() records a token chosen elsewhere. Not thre
         .def("distribution", &Sampler::distribution, py::arg("ctx"), py::arg("i"),
              "(token ids, probabilities) left after every stage but the final draw, most likely first; "
              "the one argmax token with probability 1 when greedy. Draws nothing.")
+        .def("candidates", &Sampler::candidates, py::arg("ctx"), py::arg("i"),
+             "(token ids, logits) of output i after every stage but the final selector (penalties, top-k, top-p, "
+             "min-p, temperature applied), in the order the selector walks them: greedy takes the first highest "
+             "logit, dist the first token whose cumulative softmax reaches its uniform draw. Draws nothing.")
         .def("clone", [](const Sampler & s) { return Sampler(s); }, "An independent copy, RNG and history included.")
         .def("reset", [](Sampler & s) { llama_sampler_reset(s.chain()); }, "Forget history; restart the RNG.")
         .def_property_readonly("greedy", &Sampler::greedy)

@@ -5,6 +5,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <vector>
+
 namespace hyspec {
 
 class Sampler {
@@ -18,10 +20,15 @@ public:
     llama_token sample(Context & ctx, int64_t i);
     void accept(int64_t token);
     pybind11::tuple distribution(Context & ctx, int64_t i);
+    pybind11::tuple candidates(Context & ctx, int64_t i);
     llama_sampler * chain() const { return chain_; }
     bool greedy() const { return greedy_; }
 
 private:
+    // Output i's candidates after every stage of the chain but the final selector (greedy or
+    // dist), in the order that selector walks them.
+    std::vector<llama_token_data> staged(Context & ctx, int64_t i);
+
     llama_sampler * chain_ = nullptr;
     int32_t n_vocab_;
     bool greedy_;

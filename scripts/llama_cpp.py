@@ -84,8 +84,11 @@ def fetch_sdist(cache: Path) -> Path:
     log(f"downloading {PIN_PACKAGE}=={PIN_VERSION} sdist with pip (once)")
     with tempfile.TemporaryDirectory(dir=sdist.parent) as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             "--no-build-isolation", f"{PIN_PACKAGE}=={PIN_VERSION}", "-d", tmp],
+            # pip prepares the sdist's metadata in an isolated build environment whose build
+            # requirements come as wheels (a ":all:" here would build CMake itself from source,
+            # and --no-build-isolation would depend on what this interpreter has installed).
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PIN_PACKAGE,
+             f"{PIN_PACKAGE}=={PIN_VERSION}", "-d", tmp],
             check=True,
         )
         got = Path(tmp) / SDIST_NAME

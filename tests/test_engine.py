@@ -427,7 +427,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be positive"),
     (["--prompt", "x", "--temperature", "-1"], "temperature"),
     (["--prompt", "word " * 600, "--ctx", "64"], "OUT_OF_RANGE"),
-    (["--prompt", "x", "--spec", "bogus"], "invalid SpecMode"),
+    (["--prompt", "x", "--spec", "bogus"], "invalid choice"),
     (["--prompt", "x", "--draft-max", "-3"], "must be >= 0"),
     (["--prompt", "x", "--model", "/nonexistent.gguf"], "cannot open model file"),
 ])

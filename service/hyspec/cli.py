@@ -1,17 +1,17 @@
-"""The `hyspec` command. Every flag has an environment twin: --draft-max is HYSPEC_DRAFT_MAX."""
+"""The `hyspec` command. Every flag has an environment twin (hyspec.flags): --draft-max is HYSPEC_DRAFT_MAX."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from hyspec._native import HyspecError
+from hyspec.flags import EnvParser, given, subcommand
 from hyspec.types import (
     Chunk,
     GenerationRequest,
@@ -23,32 +23,6 @@ from hyspec.types import (
 )
 
 log = logging.getLogger("hyspec")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, exit code 2: the contract for every bad flag or request.
-        self.exit(2, f"hyspec: error: {message}\n")
-
-
-def _flag(group: argparse._ActionsContainer, name: str, *, type: Callable[[str], Any] = str,
-          default: Any = None, help: str, **kwargs: Any) -> None:
-    env = "HYSPEC_" + name.lstrip("-").upper().replace("-", "_")
-    raw = os.environ.get(env)
-    if raw is not None:
-        if kwargs.get("action") == "store_true":
-            default = raw.lower() in ("1", "true", "yes", "on")
-        elif kwargs.get("action") == "append":
-            default = [raw]
-        else:
-            try:
-                default = type(raw)
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                raise SystemExit(f"hyspec: error: {env}={raw!r}: {e}") from None
-    if kwargs.get("action") == "store_true":
-        group.add_argument(name, default=default, help=f"{help} [{env}]", **kwargs)
-    else:
-        group.add_argument(name, type=type, default=default, help=f"{help} [{env}]", **kwargs)
 
 
 def _positive(text: str) -> int:
@@ -72,86 +46,106 @@ def _numbers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
 
 
-def _engine_flags(p: argparse.ArgumentParser, slots: int, log_level: str) -> None:
+def _gpu_layers(text: str) -> int:
+    """A layer count, or "all" (-1: llama.cpp offloads every layer)."""
+    if text.strip().lower() == "all":
+        return -1
+    try:
+        return _non_negative(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers or 'all', got {text!r}") from None
+
+
+SPEC_CHOICES = [mode.value for mode in SpecMode]
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _engine_flags(p: EnvParser, slots: int, log_level: str) -> None:
     g = p.add_argument_group("model and speculation")
-    _flag(g, "--model", type=Path, help="target GGUF (default: Gemma 3 270M from its PyPI package)")
-    _flag(g, "--draft", type=Path, help="draft GGUF sharing the target's vocabulary")
-    _flag(g, "--spec", type=SpecMode, choices=list(SpecMode),
-          help="speculation: off, draft or ngram (default: draft with --draft, else ngram)")
-    _flag(g, "--draft-max", type=_non_negative, default=8, help="most draft tokens per step")
-    _flag(g, "--draft-min", type=_non_negative, default=0, help="fewest draft tokens worth verifying")
-    _flag(g, "--fixed-draft", action="store_true",
-          help="always draft draft-max tokens, even while they are rejected (default: adaptive length)")
-    _flag(g, "--rs-snapshots", type=_non_negative, default=None,
-          help="hybrid targets: recurrent-state snapshots per slot (llama.cpp n_rs_seq), so a rollback is a "
-               "trim, with no checkpoint or replay; drafts are at most this long; 0: checkpoint + replay "
-               "(default: draft-max, at most 16)")
-    _flag(g, "--slots", type=_positive, default=slots, help="concurrent sequences")
-    _flag(g, "--ctx", type=_positive, default=4096, help="context tokens per slot")
-    _flag(g, "--threads", type=_non_negative, default=0, help="CPU threads (0: all cores)")
-    _flag(g, "--batch", type=_positive, default=512, help="most tokens per decode")
-    _flag(g, "--log-level", default=log_level, choices=["debug", "info", "warning", "error"], help="log level")
+    p.flag(g, "--model", type=Path, help="target GGUF (default: Gemma 3 270M from its PyPI package)")
+    p.flag(g, "--draft", type=Path, help="draft GGUF sharing the target's vocabulary")
+    p.flag(g, "--spec", choices=SPEC_CHOICES,
+           help="speculation (default: draft with --draft, else ngram)")
+    p.flag(g, "--draft-max", type=_non_negative, default=8, help="most draft tokens per step")
+    p.flag(g, "--draft-min", type=_non_negative, default=0, help="fewest draft tokens worth verifying")
+    p.flag(g, "--fixed-draft", action="store_true",
+           help="always draft draft-max tokens, even while they are rejected (default: adaptive length)")
+    p.flag(g, "--rs-snapshots", type=_non_negative,
+           help="hybrid targets: recurrent-state snapshots per slot (llama.cpp n_rs_seq), so a rollback is a "
+                "trim, with no checkpoint or replay; drafts are at most this long; 0: checkpoint + replay "
+                "(default: draft-max, at most 16)")
+    p.flag(g, "--slots", type=_positive, default=slots, help="concurrent sequences")
+    p.flag(g, "--ctx", type=_positive, default=4096, help="context tokens per slot")
+    p.flag(g, "--threads", type=_non_negative, default=0, help="CPU threads (0: all cores)")
+    p.flag(g, "--batch", type=_positive, default=512, help="most tokens per decode")
+    p.flag(g, "--gpu-layers", type=_gpu_layers, default=0,
+           help="target layers offloaded to the GPU, or 'all' (needs a CUDA/Metal/Vulkan build of llama.cpp)")
+    p.flag(g, "--draft-gpu-layers", type=_gpu_layers,
+           help="draft model layers offloaded to the GPU, or 'all' (default: as --gpu-layers)")
+    p.flag(g, "--log-level", default=log_level, choices=LOG_LEVELS, help="log level")
 
 
-def _request_flags(p: argparse.ArgumentParser) -> None:
+def _request_flags(p: EnvParser) -> None:
     g = p.add_argument_group("request")
-    _flag(g, "--prompt", help="prompt text", required=not os.environ.get("HYSPEC_PROMPT"))
-    _flag(g, "--max-tokens", type=int, default=128, help="most tokens to generate")
-    _flag(g, "--temperature", type=float, default=0.0, help="0 = greedy")
-    _flag(g, "--top-k", type=int, default=0, help="0 = off")
-    _flag(g, "--top-p", type=float, default=1.0, help="1 = off")
-    _flag(g, "--min-p", type=float, default=0.0, help="0 = off")
-    _flag(g, "--seed", type=int, help="sampling seed (default: random)")
-    _flag(g, "--stop", action="append", help="stop string (repeatable)")
-    _flag(g, "--ignore-eos", action="store_true", help="keep going past end-of-generation tokens")
-    _flag(g, "--json", action="store_true", help="print one JSON object instead of streaming text")
-    _flag(g, "--server", help="send the request to a running hyspec server (host:port or unix:PATH)")
+    p.flag(g, "--prompt", help="prompt text", required=True)
+    p.flag(g, "--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.flag(g, "--temperature", type=float, default=0.0, help="0 = greedy")
+    p.flag(g, "--top-k", type=int, default=0, help="0 = off")
+    p.flag(g, "--top-p", type=float, default=1.0, help="1 = off")
+    p.flag(g, "--min-p", type=float, default=0.0, help="0 = off")
+    p.flag(g, "--seed", type=int, help="sampling seed (default: random)")
+    p.flag(g, "--stop", action="append", help="stop string (repeatable; the command line replaces the environment's)")
+    p.flag(g, "--ignore-eos", action="store_true", help="keep going past end-of-generation tokens")
+    p.flag(g, "--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.flag(g, "--server", help="send the request to a running hyspec server (host:port or unix:PATH)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hyspec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def build_parser() -> EnvParser:
+    parser = EnvParser(prog="hyspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=EnvParser)
 
-    gen = sub.add_parser("generate", help="generate text, in-process or through a server")
+    gen = subcommand(sub, "generate", env_prefix="HYSPEC_", help="generate text, in-process or through a server")
     _engine_flags(gen, slots=1, log_level="warning")
     _request_flags(gen)
 
-    srv = sub.add_parser("serve", help="run the gRPC server")
+    srv = subcommand(sub, "serve", env_prefix="HYSPEC_", help="run the gRPC server")
     _engine_flags(srv, slots=4, log_level="info")
     g = srv.add_argument_group("server")
-    _flag(g, "--host", default="127.0.0.1", help="address to listen on (loopback by default)")
-    _flag(g, "--port", type=_non_negative, default=50051, help="TCP port (0: any free port)")
-    _flag(g, "--unix", help="also listen on this unix socket path")
-    _flag(g, "--max-queue", type=_non_negative, default=64,
-          help="requests waiting for a slot before RESOURCE_EXHAUSTED")
-    _flag(g, "--grace", type=float, default=30.0, help="seconds running requests get at shutdown")
+    srv.flag(g, "--host", default="127.0.0.1", help="address to listen on")
+    srv.flag(g, "--port", type=_non_negative, default=50051, help="TCP port (0: any free port)")
+    srv.flag(g, "--unix", help="also listen on this unix socket path")
+    srv.flag(g, "--max-queue", type=_non_negative, default=64,
+             help="requests waiting for a slot before RESOURCE_EXHAUSTED")
+    srv.flag(g, "--grace", type=float, default=30.0, help="seconds running requests get at shutdown")
 
-    mk = sub.add_parser("make-model", help="write a deterministic random-weight GGUF for tests and benchmarks")
-    _flag(mk, "--arch", default="lfm2", choices=["lfm2", "llama"], help="lfm2 (hybrid) or llama (attention)")
-    _flag(mk, "--preset", default="tiny", choices=["tiny", "lfm2-350m", "lfm2-1.2b"], help="shape")
-    _flag(mk, "--out", type=Path, required=True, help="output path")
-    _flag(mk, "--seed", type=int, default=0, help="weights seed")
-    _flag(mk, "--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"], help="tensor type")
-    _flag(mk, "--logit-scale", type=float, default=None, help="output sharpness (default: the generator's)")
+    mk = subcommand(sub, "make-model", env_prefix="HYSPEC_MAKE_MODEL_",
+                    help="write a deterministic random-weight GGUF for tests and benchmarks")
+    mk.flag(mk, "--arch", default="lfm2", choices=["lfm2", "llama"], help="lfm2 (hybrid) or llama (attention)")
+    mk.flag(mk, "--preset", default="tiny", choices=["tiny", "lfm2-350m", "lfm2-1.2b"], help="shape")
+    mk.flag(mk, "--out", type=Path, required=True, help="output path")
+    mk.flag(mk, "--seed", type=int, default=0, help="weights seed")
+    mk.flag(mk, "--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"], help="tensor type")
+    mk.flag(mk, "--logit-scale", type=float, help="output sharpness (default: the generator's)")
 
-    b = sub.add_parser("bench", help="speed side by side with llama-server from the same llama.cpp")
-    _flag(b, "--quick", action="store_true", help="a small subset on tiny models (a smoke test)")
-    _flag(b, "--scenarios", type=_numbers, help="only these scenario numbers, e.g. 1,3,5 (default: all)")
-    _flag(b, "--out", type=Path, default=Path("hyspec-bench.json"), help="JSON report path")
-    _flag(b, "--markdown", type=Path, help="also write the markdown tables here")
-    _flag(b, "--llama-server", type=Path,
-          help="llama-server binary (default: the one `make llama-server` builds in the cache)")
-    _flag(b, "--models-dir", type=Path, help="where generated bench models are cached (default: in the cache)")
-    _flag(b, "--max-tokens", type=_positive, help="tokens per request (default: 64; 32 with --quick)")
-    _flag(b, "--pairs", type=_positive, default=3, help="measured hyspec/llama-server pairs after the warm-up")
-    _flag(b, "--draft-max", type=_positive, default=8, help="most draft tokens per step, both sides")
-    _flag(b, "--threads", type=_non_negative, default=0, help="CPU threads, both sides (0: all cores)")
-    _flag(b, "--ctx", type=_positive, default=4096, help="context tokens per slot, both sides")
-    _flag(b, "--batch", type=_positive, default=512, help="most tokens per decode, both sides")
-    _flag(b, "--fixed-draft", action="store_true",
-          help="hyspec drafts draft-max tokens every step, as llama-server does (default: its adaptive length)")
-    _flag(b, "--prepare-only", action="store_true", help="write the scenarios' models, then stop")
-    _flag(b, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    b = subcommand(sub, "bench", env_prefix="HYSPEC_BENCH_",
+                   help="speed side by side with llama-server from the same llama.cpp")
+    b.flag(b, "--quick", action="store_true", help="a small subset on tiny models (a smoke test)")
+    b.flag(b, "--scenarios", type=_numbers, help="only these scenario numbers, e.g. 1,3,5 (default: all)")
+    b.flag(b, "--out", type=Path, default=Path("hyspec-bench.json"), help="JSON report path")
+    b.flag(b, "--markdown", type=Path, help="also write the markdown tables here")
+    b.flag(b, "--llama-server", type=Path,
+           help="llama-server binary (default: the one `make llama-server` builds in the cache)")
+    b.flag(b, "--models-dir", type=Path, help="where generated bench models are cached (default: in the cache)")
+    b.flag(b, "--max-tokens", type=_positive, help="tokens per request (default: 64; 32 with --quick)")
+    b.flag(b, "--pairs", type=_positive, default=3, help="measured hyspec/llama-server pairs after the warm-up")
+    b.flag(b, "--draft-max", type=_positive, default=8, help="most draft tokens per step, both sides")
+    b.flag(b, "--threads", type=_non_negative, default=0, help="CPU threads, both sides (0: all cores)")
+    b.flag(b, "--ctx", type=_positive, default=4096, help="context tokens per slot, both sides")
+    b.flag(b, "--batch", type=_positive, default=512, help="most tokens per decode, both sides")
+    b.flag(b, "--fixed-draft", action="store_true",
+           help="hyspec drafts draft-max tokens every step, as llama-server does (default: its adaptive length)")
+    b.flag(b, "--prepare-only", action="store_true", help="write the scenarios' models, then stop")
+    b.flag(b, "--log-level", default="info", choices=LOG_LEVELS, help="log level")
     return parser
 
 
@@ -163,20 +157,26 @@ def _engine_config(args: argparse.Namespace, max_queue: int = 64, progress: bool
         from hyspec.gemma import gemma_path
 
         model = gemma_path(progress=progress)
-    return EngineConfig(model=model, draft=args.draft, spec=args.spec, draft_min=args.draft_min,
-                        draft_max=args.draft_max, adaptive_draft=not args.fixed_draft,
-                        rs_snapshots=args.rs_snapshots, slots=args.slots,
-                        ctx=args.ctx, threads=args.threads, batch=args.batch, max_queue=max_queue,
-                        progress=progress)
+    draft_gpu_layers = args.gpu_layers if args.draft_gpu_layers is None else args.draft_gpu_layers
+    return EngineConfig(model=model, draft=args.draft, spec=SpecMode(args.spec) if args.spec else None,
+                        draft_min=args.draft_min, draft_max=args.draft_max, adaptive_draft=not args.fixed_draft,
+                        rs_snapshots=args.rs_snapshots, slots=args.slots, ctx=args.ctx, threads=args.threads,
+                        batch=args.batch, gpu_layers=args.gpu_layers, draft_gpu_layers=draft_gpu_layers,
+                        max_queue=max_queue, progress=progress)
 
 
 def _request(args: argparse.Namespace) -> GenerationRequest:
+    """The request the flags describe. Speculation fields the user did not set stay unset, so
+    a server applies its own defaults (and the in-process engine the flags' defaults)."""
+    user = given(args)
     return GenerationRequest(
         text=args.prompt, max_tokens=args.max_tokens,
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, seed=args.seed),
         stop=args.stop or [], ignore_eos=args.ignore_eos,
-        spec=SpecParams(mode=args.spec, draft_min=args.draft_min, draft_max=args.draft_max))
+        spec=SpecParams(mode=SpecMode(args.spec) if "spec" in user else None,
+                        draft_min=args.draft_min if "draft_min" in user else None,
+                        draft_max=args.draft_max if "draft_max" in user else None))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -8,8 +8,9 @@ from typing import TextIO
 import grpc
 
 from hyspec import convert
-from hyspec.convert import pb2, pb2_grpc
 from hyspec.types import GenerationRequest, RequestError, Result
+from hyspec.v1 import hyspec_pb2 as pb2
+from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
 
 
 def generate_remote(address: str, request: GenerationRequest, stream_to: TextIO | None = None, *,

@@ -6,7 +6,6 @@ from typing import Any
 
 import grpc
 
-from hyspec.grpc_codegen import load
 from hyspec.types import (
     Chunk,
     ErrorCode,
@@ -20,7 +19,8 @@ from hyspec.types import (
     Stats,
 )
 
-pb2, pb2_grpc = load()
+# Generated from proto/ at build time (CMakeLists.txt).
+from hyspec.v1 import hyspec_pb2 as pb2
 
 DEFAULT_MAX_TOKENS = GenerationRequest().max_tokens
 
@@ -184,7 +184,8 @@ def model_info_to_proto(info: dict[str, Any], max_queue: int | None) -> Any:
         return pb2.ModelDescription(path=str(model.get("path", "")), arch=model.get("arch", ""),
                                     is_hybrid=bool(model.get("is_hybrid")),
                                     is_recurrent=bool(model.get("is_recurrent")),
-                                    n_vocab=model.get("n_vocab", 0), n_ctx_train=model.get("n_ctx_train", 0))
+                                    n_vocab=model.get("n_vocab", 0), n_ctx_train=model.get("n_ctx_train", 0),
+                                    gpu_layers=model.get("gpu_layers", 0))
 
     msg = pb2.ModelInfo(target=describe(info.get("target")), draft=describe(info.get("draft")),
                         ctx=info.get("ctx", 0), slots=info.get("slots", 0),

@@ -49,19 +49,22 @@ class EngineConfig:
     threads: int = 0  # 0: every core
     batch: int = 512
     max_queue: int = 64
+    # Layers offloaded to a GPU (-1: all); only a GPU build of llama.cpp uses them.
+    gpu_layers: int = 0
+    draft_gpu_layers: int = 0
     progress: bool = False
 
 
-def _load(path: Path, progress: bool) -> Model:
+def _load(path: Path, gpu_layers: int, progress: bool) -> Model:
     if not progress:
-        return Model(str(path))
+        return Model(str(path), n_gpu_layers=gpu_layers)
     from tqdm import tqdm
 
     with tqdm(total=100, desc=f"loading {Path(path).name}", unit="%", leave=False) as bar:
         def update(fraction: float) -> None:
             bar.update(round(fraction * 100) - bar.n)
 
-        return Model(str(path), progress=update)
+        return Model(str(path), n_gpu_layers=gpu_layers, progress=update)
 
 
 class Engine:
@@ -114,8 +117,8 @@ class Engine:
         """Load the models, make the contexts and the scheduler (on the worker thread)."""
         config = self.config
         threads = config.threads or os.cpu_count() or 1
-        self.model = _load(config.model, config.progress)
-        self.draft_model = _load(config.draft, config.progress) if config.draft else None
+        self.model = _load(config.model, config.gpu_layers, config.progress)
+        self.draft_model = _load(config.draft, config.draft_gpu_layers, config.progress) if config.draft else None
         if self.draft_model is not None:
             check_same_vocab(self.model, self.draft_model)
         # One KV buffer for all slots: llama.cpp then puts every slot's tokens in one ubatch
@@ -233,7 +236,8 @@ class Engine:
             if model is None:
                 return None
             return {"path": str(path), "arch": model.arch, "is_hybrid": model.is_hybrid,
-                    "is_recurrent": model.is_recurrent, "n_vocab": model.n_vocab, "n_ctx_train": model.n_ctx_train}
+                    "is_recurrent": model.is_recurrent, "n_vocab": model.n_vocab, "n_ctx_train": model.n_ctx_train,
+                    "gpu_layers": model.n_gpu_layers}
 
         modes = [SpecMode.OFF.value] + [mode.value for mode in self.scheduler.drafters]
         return {"target": describe(self.model, self.config.model),

@@ -25,8 +25,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hyspec import convert
-from hyspec.convert import pb2, pb2_grpc
 from hyspec.types import Chunk, ErrorCode, FinishReason, GenerationRequest, RequestError, Result
+from hyspec.v1 import hyspec_pb2 as pb2
+from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
 
 if TYPE_CHECKING:
     from hyspec.engine import Engine, EngineConfig

@@ -21,8 +21,9 @@ from hyspec import convert
 from hyspec.bench.records import Run
 from hyspec.bench.system import ManagedProcess, end_process, tail
 from hyspec.bench.worker import WorkerConfig
-from hyspec.convert import pb2, pb2_grpc
 from hyspec.types import GenerationRequest, SpecMode, SpecParams
+from hyspec.v1 import hyspec_pb2 as pb2
+from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
 
 log = logging.getLogger("hyspec.bench")
 

@@ -1,0 +1,111 @@
+"""Set-up and packaging: the wheel works on its own, the Makefile rebuilds what changed, the
+licence and CI settings hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    with (REPO / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+@pytest.mark.slow
+def test_wheel_installs_into_a_clean_venv_and_serves(tmp_path: Path, tiny_lfm2: Path) -> None:
+    """`pip install .` (not editable) gives a working `hyspec generate` and `hyspec serve`,
+    with the gRPC stubs built into the package, not generated into the source tree."""
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w",
+                    str(dist), str(REPO)], check=True, timeout=900)
+    wheel = next(dist.glob("hyspec-*.whl"))
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=900)
+    listing = subprocess.run([str(py), "-m", "pip", "show", "-f", "hyspec"], capture_output=True, text=True,
+                             check=True).stdout
+    assert "hyspec/v1/hyspec_pb2.py" in listing and "hyspec/v1/hyspec_pb2_grpc.py" in listing
+    assert "grpcio-tools" not in subprocess.run([str(py), "-m", "pip", "list"], capture_output=True,
+                                                text=True).stdout.lower().replace("_", "-")
+
+    hyspec = env_dir / "bin" / "hyspec"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYSPEC_") or k == "HYSPEC_CACHE"}
+    # Run from elsewhere, so nothing can come from the checkout.
+    gen = subprocess.run([str(hyspec), "generate", "--model", str(tiny_lfm2), "--prompt", "Hello",
+                          "--max-tokens", "5", "--ignore-eos", "--json"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    local = json.loads(gen.stdout)
+    assert local["finish_reason"] == "length" and len(local["token_ids"]) == 5
+
+    server = subprocess.Popen([str(hyspec), "serve", "--model", str(tiny_lfm2), "--port", "0", "--slots", "1",
+                               "--ctx", "256"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path, env=env)
+    try:
+        address = None
+        deadline = time.monotonic() + 120
+        assert server.stdout is not None
+        while time.monotonic() < deadline:
+            line = server.stdout.readline()
+            if not line:
+                break
+            if match := re.match(r"hyspec: ready on (\S+)", line):
+                address = match.group(1)
+                break
+        assert address, "the installed server never became ready"
+        remote = subprocess.run([str(hyspec), "generate", "--server", address, "--prompt", "Hello", "--max-tokens",
+                                 "5", "--ignore-eos", "--json"], capture_output=True, text=True, cwd=tmp_path,
+                                env=env, timeout=120)
+        assert remote.returncode == 0, remote.stderr
+        assert json.loads(remote.stdout)["token_ids"] == local["token_ids"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert server.returncode == 0
+    assert not (REPO / "service" / "hyspec" / "v1").exists(), "stubs must not be generated into the source tree"
+
+
+def test_editing_native_sources_reinstalls_the_extension() -> None:
+    """`make serve` / `make test` rebuild the extension when native/, the .proto or the build
+    files change (make -W pretends a file was just modified)."""
+    for changed in ("native/context.cpp", "native/model.h", "proto/hyspec/v1/hyspec.proto", "CMakeLists.txt"):
+        for target in ("serve", "test"):
+            plan = subprocess.run(["make", "-n", "-W", changed, target], cwd=REPO, capture_output=True, text=True,
+                                  check=True).stdout
+            assert "--no-build-isolation -e" in plan, f"{changed} changed, `make {target}` would not rebuild"
+
+
+def test_serve_installs_no_test_tools() -> None:
+    plan = subprocess.run(["make", "-n", "-B", ".venv/.installed-serve"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout
+    for tool in ("pytest", "ruff", "grpcurl", "npm", "extra test"):
+        assert tool not in plan, f"`make serve` installs {tool}"
+    test_plan = subprocess.run(["make", "-n", "-B", "test"], cwd=REPO, capture_output=True, text=True,
+                               check=True).stdout
+    assert "extra test" in test_plan and "npm install" in test_plan
+
+
+def test_licence_and_ci_settings() -> None:
+    project = _pyproject()["project"]
+    assert project["license"] == "MIT"
+    assert (REPO / "LICENSE").read_text().startswith("MIT License")
+    assert "grpcio-tools" not in " ".join(project["dependencies"])
+    assert any(r.startswith("grpcio-tools") for r in _pyproject()["build-system"]["requires"])
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "export PIP_NO_CACHE_DIR=1" in ci and "make test" in ci
