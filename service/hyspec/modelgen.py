@@ -8,15 +8,19 @@ unmodified.
 
 The same (arch, preset, seed, logit_scale) gives the same weights in every dtype: a q8_0 file
 is the f32 file quantized, so it makes a realistic draft for the f16 one.
+
+``write_model`` is the GGUF writer behind it, for any named float32 weights: the trainer
+(hyspec.train) writes its models with it too.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,9 +81,11 @@ DTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
 
 DEFAULT_LOGIT_SCALE = 4.0
 
-_ROPE_FREQ_BASE = 1_000_000.0
-_RMS_EPS = 1e-5
-_SHORTCONV_L_CACHE = 3
+# What every file this module writes declares (llama.cpp reads them from the file): a model
+# trained for these files uses the same values.
+ROPE_FREQ_BASE = 1_000_000.0
+RMS_EPS = 1e-5
+SHORTCONV_L_CACHE = 3
 # Small next to the residual updates of the blocks (std ~1 each): with a tied output, a large
 # embedding makes every token predict itself and the text collapse into repetition (which
 # is what n-gram drafting tests want from a random model: make_model(embed_std=1.0)).
@@ -121,14 +127,16 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
 
 
 @dataclass(frozen=True)
-class _KeyValue:
+class KeyValue:
+    """One GGUF metadata entry (``sub_type``: the element type of an array)."""
+
     key: str
     value: Any
     vtype: GGUFValueType
     sub_type: GGUFValueType | None = None
 
 
-def _read_metadata(path: Path, prefix: str) -> list[_KeyValue]:
+def _read_metadata(path: Path, prefix: str) -> list[KeyValue]:
     """The key/value pairs of a little-endian GGUF file whose key starts with ``prefix``.
 
     gguf.GGUFReader takes ~10 s on this vocabulary (it builds numpy views for each of its 400k
@@ -153,7 +161,7 @@ def _read_metadata(path: Path, prefix: str) -> list[_KeyValue]:
         pos += struct.calcsize(fmt)
         return value
 
-    out: list[_KeyValue] = []
+    out: list[KeyValue] = []
     for _ in range(n_kv):
         key = read_string().decode()
         vtype = GGUFValueType(read_scalar(GGUFValueType.UINT32))
@@ -173,7 +181,7 @@ def _read_metadata(path: Path, prefix: str) -> list[_KeyValue]:
         else:
             value = read_scalar(vtype)
         if key.startswith(prefix):
-            out.append(_KeyValue(key, value, vtype, sub_type))
+            out.append(KeyValue(key, value, vtype, sub_type))
     return out
 
 
@@ -244,8 +252,8 @@ def _tensors(arch: str, shape: ModelShape, n_vocab: int, logit_scale: float, emb
                 # ggml_ssm_conv reads its kernel as F32 only; llama.cpp's converter keeps it F32 too.
                 _Tensor(
                     f"{blk}.shortconv.conv.weight",
-                    (n_embd, _SHORTCONV_L_CACHE),
-                    std=1.0 / math.sqrt(_SHORTCONV_L_CACHE),
+                    (n_embd, SHORTCONV_L_CACHE),
+                    std=1.0 / math.sqrt(SHORTCONV_L_CACHE),
                     keep_f32=True,
                 ),
                 _linear(f"{blk}.shortconv.in_proj.weight", 3 * n_embd, n_embd),
@@ -268,52 +276,81 @@ def _add_hparams(writer: gguf.GGUFWriter, arch: str, shape: ModelShape, n_vocab:
     writer.add_embedding_length(shape.n_embd)
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
-    writer.add_layer_norm_rms_eps(_RMS_EPS)
-    writer.add_rope_freq_base(_ROPE_FREQ_BASE)
+    writer.add_layer_norm_rms_eps(RMS_EPS)
+    writer.add_rope_freq_base(ROPE_FREQ_BASE)
     if arch == "lfm2":
         # Per block: 0 KV heads marks a short-conv (recurrent) block.
         writer.add_head_count_kv(
             [shape.n_head_kv if i in shape.attn_layers else 0 for i in range(shape.n_layer)]
         )
-        writer.add_shortconv_l_cache(_SHORTCONV_L_CACHE)
+        writer.add_shortconv_l_cache(SHORTCONV_L_CACHE)
     else:
         writer.add_head_count_kv(shape.n_head_kv)
         writer.add_rope_dimension_count(shape.head_dim)
 
 
+@dataclass(frozen=True)
+class Weight:
+    """A tensor to write: its name, numpy-order shape and float32 values in blocks of whole rows."""
+
+    name: str
+    shape: tuple[int, ...]
+    blocks: Callable[[], Iterable[np.ndarray]]
+    keep_f32: bool = False  # stored as F32 whatever the file's dtype
+
+    @classmethod
+    def of(cls, name: str, array: np.ndarray) -> Weight:
+        """An array's weight; norm gains (1-D) and the short-conv kernel stay F32, as in llama.cpp's
+        own converter (ggml_ssm_conv reads its kernel as F32 only)."""
+        values = np.ascontiguousarray(array, dtype=np.float32)
+        keep_f32 = values.ndim == 1 or name.endswith(".shortconv.conv.weight")
+        return cls(name, values.shape, lambda: (values,), keep_f32)
+
+
+def tensor_shapes(arch: str, shape: ModelShape, n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor a file of this arch and shape holds, in file order, with its numpy-order shape
+    (ggml's ne reversed: a linear layer is (n_out, n_in))."""
+    return {t.name: t.shape for t in _tensors(arch, shape, n_vocab, DEFAULT_LOGIT_SCALE, DEFAULT_EMBED_STD)}
+
+
+def _n_vocab(tokenizer: Sequence[KeyValue]) -> int:
+    return next(len(kv.value) for kv in tokenizer if kv.key == "tokenizer.ggml.tokens")
+
+
 def _write(
     path: Path,
     arch: str,
-    preset: str,
-    seed: int,
+    shape: ModelShape,
+    weights: Sequence[Weight],
     dtype: str,
-    logit_scale: float,
-    embed_std: float,
-    tokenizer: list[_KeyValue],
+    tokenizer: Sequence[KeyValue],
+    name: str,
+    description: str,
+    chat_template: str | None,
     progress: bool,
 ) -> None:
-    shape = PRESETS[preset]
     qtype, file_type = DTYPES[dtype]
-    n_vocab = next(len(kv.value) for kv in tokenizer if kv.key == "tokenizer.ggml.tokens")
+    n_vocab = _n_vocab(tokenizer)
 
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_name(f"hyspec-random-{arch}-{preset}")
-    writer.add_description(f"random weights: seed={seed} logit_scale={logit_scale} embed_std={embed_std}")
+    writer.add_name(name)
+    writer.add_description(description)
     writer.add_file_type(file_type)
     if dtype.startswith("q"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hparams(writer, arch, shape, n_vocab)
     for kv in tokenizer:
         writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
-    stored: list[tuple[_Tensor, GGMLQuantizationType, int]] = []
-    for t in _tensors(arch, shape, n_vocab, logit_scale, embed_std):
-        t_qtype = GGMLQuantizationType.F32 if t.keep_f32 else qtype
-        nbytes = math.prod(quant_shape_to_byte_shape(t.shape, t_qtype))
+    stored: list[tuple[Weight, GGMLQuantizationType, int]] = []
+    for w in weights:
+        w_qtype = GGMLQuantizationType.F32 if w.keep_f32 else qtype
+        nbytes = math.prod(quant_shape_to_byte_shape(w.shape, w_qtype))
         # Logical (numpy-order) shape; raw_dtype names the stored type.
-        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes, raw_dtype=t_qtype)
-        stored.append((t, t_qtype, nbytes))
+        writer.add_tensor_info(w.name, w.shape, np.dtype(np.float32), nbytes, raw_dtype=w_qtype)
+        stored.append((w, w_qtype, nbytes))
 
     try:
         writer.write_header_to_file()
@@ -326,14 +363,62 @@ def _write(
         writer.write_padding(fout, fout.tell())
         total = sum(nbytes for _, _, nbytes in stored)
         with tqdm(total=total, unit="B", unit_scale=True, desc=path.name, disable=not progress) as bar:
-            for t, t_qtype, nbytes in stored:
-                for block in t.values(seed):
-                    data = quantize(block, t_qtype)
+            for w, w_qtype, nbytes in stored:
+                for block in w.blocks():
+                    data = quantize(block, w_qtype)
                     data.tofile(fout)
                     bar.update(data.nbytes)
                 writer.write_padding(fout, nbytes)
     finally:
         writer.close()
+
+
+def write_model(
+    out: Path,
+    *,
+    arch: str,
+    shape: ModelShape,
+    weights: Mapping[str, np.ndarray] | Sequence[Weight],
+    tokenizer: Sequence[KeyValue],
+    dtype: str = "f32",
+    name: str,
+    description: str = "",
+    chat_template: str | None = CHAT_TEMPLATE,
+    progress: bool = False,
+) -> Path:
+    """Write a GGUF model (atomically) and return ``out``.
+
+    ``weights``: float32 arrays by tensor name (written in llama.cpp's file order, the set of
+    names and shapes checked against ``tensor_shapes``), or ``Weight`` objects written as
+    given. ``tokenizer``: the ``tokenizer.*`` metadata. Norm gains and short-conv kernels are
+    stored as F32, the other tensors as ``dtype``.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {tuple(DTYPES)}")
+    if isinstance(weights, Mapping):
+        expected = tensor_shapes(arch, shape, _n_vocab(tokenizer))
+        got = {k: tuple(np.shape(v)) for k, v in weights.items()}
+        if got != expected:
+            missing = sorted(expected.keys() - got.keys())
+            extra = sorted(got.keys() - expected.keys())
+            wrong = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
+            raise ValueError(f"weights do not fit {arch} {shape}: missing {missing}, unexpected {extra}, "
+                             f"wrong shape {[(k, got[k], expected[k]) for k in wrong]}")
+        weights = [Weight.of(k, weights[k]) for k in expected]
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written next to the target and renamed: readers never see a partial file, and
+    # concurrent writers of the same file don't collide.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        _write(tmp, arch, shape, weights, dtype, tokenizer, name, description, chat_template, progress)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def make_model(
@@ -358,18 +443,20 @@ def make_model(
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {tuple(DTYPES)}")
     tokenizer = _read_metadata(vocab_path(), "tokenizer.")
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written next to the target and renamed: readers never see a partial file, and
-    # concurrent writers of the same file don't collide.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        _write(tmp, arch, preset, seed, dtype, logit_scale, embed_std, tokenizer, progress)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    shape = PRESETS[preset]
+    weights = [
+        Weight(t.name, t.shape, functools.partial(t.values, seed), t.keep_f32)
+        for t in _tensors(arch, shape, _n_vocab(tokenizer), logit_scale, embed_std)
+    ]
+    return write_model(
+        out,
+        arch=arch,
+        shape=shape,
+        weights=weights,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        name=f"hyspec-random-{arch}-{preset}",
+        description=f"random weights: seed={seed} logit_scale={logit_scale} embed_std={embed_std}",
+        progress=progress,
+    )
