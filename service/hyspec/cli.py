@@ -127,6 +127,17 @@ def build_parser() -> EnvParser:
     mk.flag(mk, "--type", default="f32", choices=["f32", "f16", "q8_0", "q4_0"], help="tensor type")
     mk.flag(mk, "--logit-scale", type=float, help="output sharpness (default: the generator's)")
 
+    tr = subcommand(sub, "train", env_prefix="HYSPEC_TRAIN_",
+                    help="train the bundled LFM2 target and draft on the KJV Bible (needs the train extra)")
+    tr.flag(tr, "--out", type=Path, required=True, help="directory for the two GGUF files and manifest.json")
+    tr.flag(tr, "--recipe", default="full", choices=["full", "quick"],
+            help="full: the bundled pair (~35 min on 2 cores); quick: toy shapes, seconds")
+    tr.flag(tr, "--seed", type=int, default=0, help="seed of the weights and the data order")
+    tr.flag(tr, "--threads", type=_positive, default=2, help="torch threads (same seed and threads: same files)")
+    tr.flag(tr, "--type", default="q8_0", choices=["f32", "f16", "q8_0"], help="tensor type of the files")
+    tr.flag(tr, "--corpus-dir", type=Path, help="where the fetched corpus is cached (default: in the cache)")
+    subcommand(sub, "models", env_prefix="HYSPEC_MODELS_", help="list the bundled models")
+
     b = subcommand(sub, "bench", env_prefix="HYSPEC_BENCH_",
                    help="speed side by side with llama-server from the same llama.cpp")
     b.flag(b, "--quick", action="store_true", help="a small subset on tiny models (a smoke test)")
@@ -227,6 +238,24 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    try:
+        from hyspec.train.recipe import RECIPES, train_pair
+    except ImportError as e:
+        raise ImportError(f"hyspec train needs the train extra (pip install 'hyspec[train]'): {e}") from e
+    train_pair(args.out, recipe=RECIPES[args.recipe], seed=args.seed, threads=args.threads, dtype=args.type,
+               corpus_dir=args.corpus_dir, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from hyspec.models import describe
+
+    for m in describe():
+        print(f"{m.name}\t{m.path}\t{m.arch}\t{m.params}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from hyspec.bench.run import Options, run_bench
 
@@ -240,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "warning")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"generate": _generate, "serve": _serve, "make-model": _make_model, "bench": _bench}
+    commands = {"generate": _generate, "serve": _serve, "make-model": _make_model, "bench": _bench,
+                "train": _train, "models": _models}
     try:
         return commands[args.command](args)
     except RequestError as e:
