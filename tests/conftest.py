@@ -66,3 +66,16 @@ def tiny_llama_q8(model_dir: Path) -> Path:
 def gemma() -> Path:
     """The real Gemma 3 270M (Q4_K_M) from its PyPI package."""
     return gemma_path(progress=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many near-ties the exactness checks forgave, per test (hyspec.exactness)."""
+    from exactness import CHECKED, FORGIVEN
+
+    if not CHECKED:
+        return
+    total, positions = sum(FORGIVEN.values()), sum(CHECKED.values())
+    terminalreporter.write_sep("-", f"exactness: {total} near-tie(s) forgiven in {positions} checked positions")
+    for test, n in sorted(FORGIVEN.items()):
+        if n:
+            terminalreporter.write_line(f"{n:4d} near-tie(s) of {CHECKED[test]:5d} positions  {test}")

@@ -276,9 +276,10 @@ def test_unix_socket(engine: Engine, tmp_path: Path) -> None:
         s.wait_ready()
         assert s.address == f"unix:{path}"
         with grpc.insecure_channel(s.address) as channel:
-            done = pb2_grpc.GenerationStub(channel).Complete(pb2.GenerateRequest(text="hi", max_tokens=3),
-                                                              timeout=TIMEOUT)
-        assert len(done.token_ids) <= 3
+            done = pb2_grpc.GenerationStub(channel).Complete(
+                pb2.GenerateRequest(text="hi", max_tokens=3, ignore_eos=True), timeout=TIMEOUT)
+        assert done.token_ids == engine.generate(GenerationRequest(text="hi", max_tokens=3, ignore_eos=True)).token_ids
+        assert len(done.token_ids) == 3
     finally:
         s.stop()
     assert not path.exists()
@@ -306,7 +307,7 @@ def _json_stream(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_grpcurl(server: ThreadServer) -> None:
+def test_grpcurl(engine: Engine, server: ThreadServer) -> None:
     addr = server.address
     services = _grpcurl(addr, "list").split()
     assert {"hyspec.v1.Generation", "grpc.health.v1.Health",
@@ -317,9 +318,10 @@ def test_grpcurl(server: ThreadServer) -> None:
     assert "optional float temperature" in _grpcurl(addr, "describe", "hyspec.v1.GenerateRequest")
 
     done = json.loads(_grpcurl(addr, "hyspec.v1.Generation/Complete",
-                               data='{"text": "Hello", "max_tokens": 16}'))
-    assert done["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
-    assert 0 < len(done["token_ids"]) <= 16
+                               data='{"text": "Hello", "max_tokens": 16, "ignore_eos": true}'))
+    assert done["finish_reason"] == "FINISH_REASON_LENGTH" and len(done["token_ids"]) == 16
+    assert done["token_ids"] == engine.generate(GenerationRequest(text="Hello", max_tokens=16,
+                                                                  ignore_eos=True)).token_ids
 
     requests = ('{"request": {"request_id": "a", "text": "Hi", "max_tokens": 4, "ignore_eos": true}} '
                 '{"request": {"request_id": "b", "token_ids": {"ids": [1, 2, 3]}, "max_tokens": 3, '
@@ -348,7 +350,7 @@ def test_node_client_streams(node_client: Path, stub: Any, server: ThreadServer)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     final = json.loads(proc.stdout.rstrip("\n").rsplit("\n", 1)[-1])
-    assert final["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    assert final["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP") and final["token_ids"]
     assert proc.stdout.startswith(final["text"])  # the streamed text, then the JSON line
     expected = stub.Complete(pb2.GenerateRequest(text=prompt, max_tokens=8), timeout=TIMEOUT)
     assert final["token_ids"] == list(expected.token_ids)
@@ -438,7 +440,7 @@ def test_unavailable_until_warm(tiny_lfm2: Path) -> None:
             for service in ("", "hyspec.v1.Generation"):
                 status = hc.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT).status
                 assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-            request = pb2.GenerateRequest(text="x", max_tokens=2)
+            request = pb2.GenerateRequest(text="x", max_tokens=2, ignore_eos=True)
             assert _code(lambda: gen.Complete(request, timeout=TIMEOUT)) == grpc.StatusCode.UNAVAILABLE
             stream = gen.Generate(iter([pb2.GenerateStreamRequest(request=request)]), timeout=TIMEOUT)
             assert _code(lambda: list(stream)) == grpc.StatusCode.UNAVAILABLE
@@ -449,7 +451,7 @@ def test_unavailable_until_warm(tiny_lfm2: Path) -> None:
             s.wait_ready()
             assert hc.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status \
                 == health_pb2.HealthCheckResponse.SERVING
-            assert len(gen.Complete(request, timeout=TIMEOUT).token_ids) <= 2
+            assert len(gen.Complete(request, timeout=TIMEOUT).token_ids) == 2
     finally:
         release.set()
         s.stop()

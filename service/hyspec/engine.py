@@ -20,6 +20,7 @@ from hyspec._native import Context, HyspecError, Model, Sampler, TemplateError
 from hyspec.drafters import Drafter
 from hyspec.drafters.draft_model import DraftModelDrafter, check_same_vocab
 from hyspec.drafters.ngram import NgramDrafter
+from hyspec.gguf_header import read_keys
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
 from hyspec.rollback import SeqRollback, probe_rollback
@@ -53,6 +54,7 @@ class EngineConfig:
     gpu_layers: int = 0
     draft_gpu_layers: int = 0
     progress: bool = False
+    record_shapes: bool = False  # Result.shapes: each token's batch shape, for hyspec.exactness
 
 
 def _load(path: Path, gpu_layers: int, progress: bool) -> Model:
@@ -67,12 +69,28 @@ def _load(path: Path, gpu_layers: int, progress: bool) -> Model:
         return Model(str(path), n_gpu_layers=gpu_layers, progress=update)
 
 
+def _check_layer_kinds(model: Model) -> None:
+    """Refuse a hybrid model whose layers are all of one kind: llama.cpp builds inputs for both
+    kinds and aborts the process (GGML_ASSERT(buffer)) on the first decode of such a model."""
+    if not model.is_hybrid:
+        return
+    key = f"{model.arch}.attention.head_count_kv"  # per layer: 0 for a recurrent layer
+    counts = read_keys(model.path, {key}).get(key)
+    if isinstance(counts, list) and counts and (all(c == 0 for c in counts) or all(c > 0 for c in counts)):
+        kind = "recurrent (convolution)" if all(c == 0 for c in counts) else "attention"
+        raise ValueError(f"{model.path}: every layer of this hybrid {model.arch} model is a {kind} layer; "
+                         "llama.cpp needs at least one layer of each kind to run it")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, *, drafter_overrides: dict[SpecMode, Drafter] | None = None) -> None:
         """Load the models and start the worker. ``drafter_overrides`` replaces the drafter
         of a mode (the benchmark's controlled-acceptance drafter plugs in this way)."""
         if config.slots < 1:
             raise ValueError("slots must be at least 1")
+        if config.batch < config.slots:
+            raise ValueError(f"--batch ({config.batch}) must be at least --slots ({config.slots}): every busy slot "
+                             "puts a token into each decode")
         if config.ctx < 8:
             raise ValueError("ctx must be at least 8 tokens")
         if not 0 <= config.draft_min <= config.draft_max <= MAX_DRAFT:
@@ -121,14 +139,22 @@ class Engine:
         self.draft_model = _load(config.draft, config.draft_gpu_layers, config.progress) if config.draft else None
         if self.draft_model is not None:
             check_same_vocab(self.model, self.draft_model)
+        _check_layer_kinds(self.model)
+        if self.draft_model is not None:
+            _check_layer_kinds(self.draft_model)
         # One KV buffer for all slots: llama.cpp then puts every slot's tokens in one ubatch
-        # (with a buffer per slot it splits the batch by sequence). The scheduler keeps each
-        # slot within its share.
+        # (with a buffer per slot it splits the batch by sequence). It holds ctx x slots tokens
+        # (llama.cpp rounds it up to a multiple of 256); the scheduler keeps each slot within ctx.
         recurrent = self.model.is_hybrid or self.model.is_recurrent
+        ring = self._ring_size() if recurrent else 0
+        if ring and config.batch < ring + 2:
+            # llama.cpp keeps a sequence's last ring + 1 tokens in one ubatch and aborts otherwise.
+            raise ValueError(f"--batch {config.batch} is too small for {ring} recurrent-state snapshots: it must "
+                             f"be at least {ring + 2} (or lower --rs-snapshots)")
         self.ctx = Context(self.model, n_ctx=config.ctx * config.slots, n_batch=config.batch,
                            n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads, kv_unified=True,
-                           n_rs_seq=self._ring_size() if recurrent else 0)
-        self.n_ctx_seq = self.ctx.n_ctx // config.slots
+                           n_rs_seq=ring)
+        self.n_ctx_seq = config.ctx
         self.rollback_method = probe_rollback(self.ctx)
         drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter()}
         if self.draft_model is not None:
@@ -141,7 +167,8 @@ class Engine:
             raise ValueError("--spec draft needs a draft model (--draft PATH)")
         self.scheduler = Scheduler(target=self.ctx, rollback=SeqRollback(self.ctx, self.rollback_method),
                                    drafters=drafters, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq,
-                                   n_batch=config.batch, max_rollback=self.ctx.n_rs_seq or None)
+                                   n_batch=config.batch, ring=self.ctx.n_rs_seq,
+                                   record_shapes=config.record_shapes)
 
     # -- requests --------------------------------------------------------------------------
 

@@ -1,107 +1,346 @@
-"""Tie-aware comparison of a speculative output with the plain one (REFERENCE section 5).
+"""Is an output what the plain run of the target would have produced? (REFERENCE section 5)
 
-A speculative run verifies several positions in one batch, and llama.cpp's logits depend a
-little on the batch's shape, so two greedy runs of one model may part ways where the target
-was at a near-tie, and only there. At the first position where the outputs differ this
-recomputes the plain run's own logits (the prompt in one batch, then one token per decode,
-as a one-slot plain run does) and the same position decoded in one batch. The difference is
-a near-tie when both tokens are the plain run's top two and their margin is below
-``TIE_EPSILON`` or within twice what the batch shape moved it (the measured noise at that
-very position). Anything else is a bug. The tests and ``hyspec bench`` share this code.
+The plain run is one sequence on a fresh context: the prompt in n_batch chunks, then one token
+per decode. ``check`` walks an output along it: at every position it decodes the output's
+previous token and asks what the plain run would choose there, greedy (the first highest
+logit) or sampled (llama.cpp's chain with the request's seed: the candidates in the chain's
+order and the same uniform draw as llama.cpp's ``dist`` sampler). Where the output chose
+otherwise, the difference is forgiven only at a true near-tie, and the walk then continues
+with the output's token forced into the plain run, so every later position is checked too.
+
+A near-tie: speculation and busy slots decode a position inside a batch, and llama.cpp's CPU
+kernels give slightly different logits for batches of different shapes. At a difference,
+``check`` recomputes the position with the batch shapes that produced it: from the engine's
+record (``EngineConfig.record_shapes``: every prompt chunk and every decode of the output, as
+segments of their length inside batches of their size, so the noise those shapes left in
+the memory is there too), or, without one, with each of a set of typical verify and
+multi-slot shapes. The recorded shapes are also replayed with the sequence's memory cells
+spread among another sequence's, as busy slots leave them (the order of the attention sums
+follows the cells). The difference is a near-tie when one of those recomputations, through
+the same chain and the same draw, chooses the output's token: batch shapes and cell layout
+alone explain it. Rollbacks,
+checkpoints and other slots are not reproduced, so a wrong state is not explained. A
+difference within ``TIE_EPSILON`` logits (greedy) or ``CDF_EPSILON`` of the draw (sampled)
+is a tie whatever the shapes. Anything else is a bug. The tests and ``hyspec bench`` share
+this code.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-TIE_EPSILON = 0.02
+from hyspec._native import Context, Model, Sampler
+from hyspec.types import BatchShape, SamplingParams, Trace
 
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first position where ``a`` and ``b`` differ (the shorter length when one
-    is a prefix of the other), None when they are equal."""
-    if a == b:
-        return None
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def _decode_logits(model_path: Path, prompt: list[int], outputs: list[int], batched: bool,
-                   n_threads: int) -> np.ndarray:
-    """Logits after ``prompt + outputs``: the prompt in n_batch chunks, then the outputs one
-    per decode (as plain decoding does) or in one batch."""
-    from hyspec._native import Context, Model
-
-    n_batch = 512
-    tokens = prompt + outputs
-    ctx = Context(Model(str(model_path)), n_ctx=max(256, len(tokens) + 16), n_batch=n_batch, n_ubatch=n_batch,
-                  n_threads=n_threads)
-
-    def chunks(seq: list[int], size: int) -> list[list[int]]:
-        return [seq[i:i + size] for i in range(0, len(seq), size)]
-
-    pos = 0
-    for part in chunks(prompt, n_batch) + chunks(outputs, n_batch if batched else 1):
-        ctx.decode(part, range(pos, pos + len(part)), [0] * len(part), [False] * (len(part) - 1) + [True])
-        pos += len(part)
-    return ctx.logits(-1)
+TIE_EPSILON = 0.02  # logits: a greedy margin this small is a tie whatever the shapes
+CDF_EPSILON = 1e-4  # probability: a draw this close to the boundary is a tie whatever the shapes
+N_BATCH = 512
+SCATTER_SEEDS = (1, 2, 3, 4, 5, 6)  # replays with the sequence's cells spread out, besides the contiguous one
+# Without a record: a verify of 2, 5 and 9 tokens with the position first or last, and the
+# same inside busy steps.
+TYPICAL_SHAPES: tuple[BatchShape, ...] = (
+    BatchShape(2, 0, 2), BatchShape(2, 1, 2), BatchShape(5, 0, 5), BatchShape(5, 4, 5), BatchShape(9, 0, 9),
+    BatchShape(9, 8, 9), BatchShape(1, 0, 4), BatchShape(5, 4, 8), BatchShape(9, 8, 36))
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """How two outputs for one prompt relate."""
+class Tie:
+    """A position where the output differs from the plain run."""
 
-    same: bool  # token for token equal
-    tie: bool = False  # they differ, first at a true near-tie of the target
-    index: int | None = None  # the first differing position
-    margin: float | None = None  # the plain run's logit margin between the two tokens there
-    noise: float | None = None  # how much the batch shape moved that margin
-    top: tuple[int, ...] = ()  # the plain run's two best tokens there
-    tokens: tuple[int, int] | None = None  # the two outputs' tokens there (None: a length difference)
+    index: int  # in the output
+    plain: int  # the plain run's token
+    got: int  # the output's token
+    gap: float  # greedy: the plain run's logit margin; sampled: the draw's distance to the output token
+    noise: float  # how far the recomputed shapes moved the two tokens' logits against each other
+    explained: bool  # the recomputed shapes choose the output's token (or the gap is within epsilon)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of a walk: ``ties`` forgiven, or the first ``mismatch`` that is not one."""
+
+    checked: int
+    sampled: bool = False
+    ties: tuple[Tie, ...] = ()
+    mismatch: Tie | None = None
 
     @property
     def ok(self) -> bool:
-        return self.same or self.tie
+        return self.mismatch is None
 
     def describe(self) -> str:
-        if self.same:
-            return "same"
-        if self.tokens is None:
-            return f"length differs after {self.index} tokens"
-        kind = "near-tie" if self.tie else "DIFFERENT"
-        return (f"{kind} at token {self.index} ({self.tokens[0]} vs {self.tokens[1]}, margin "
-                f"{self.margin:.4f}, batch-shape noise {self.noise:.4f}, top {list(self.top)})")
+        unit = "draw distance" if self.sampled else "margin"
+        if self.mismatch is not None:
+            m = self.mismatch
+            return (f"DIFFERENT at token {m.index}: plain {m.plain}, got {m.got}, {unit} {m.gap:.5f}, batch-shape "
+                    f"noise {m.noise:.5f} does not explain it ({len(self.ties)} near-tie(s) before it)")
+        if not self.ties:
+            return f"same ({self.checked} tokens)"
+        where = ", ".join(f"{t.index} ({unit} {t.gap:.4f}, noise {t.noise:.4f})" for t in self.ties[:4])
+        return f"same but {len(self.ties)} near-tie(s) forgiven at token {where}"
 
 
-def compare(model_path: Path, prompt: list[int], a: list[int], b: list[int],
-            epsilon: float = TIE_EPSILON, n_threads: int = 2) -> Comparison:
-    """Compare a plain greedy output ``a`` with another greedy output ``b`` of the target at
-    ``model_path`` for ``prompt``: equal, or first different at a near-tie."""
-    first = first_difference(a, b)
-    if first is None:
-        return Comparison(same=True)
-    if first >= min(len(a), len(b)):
-        return Comparison(same=False, index=first)
-    plain = _decode_logits(model_path, prompt, a[:first], batched=False, n_threads=n_threads)
-    batch = _decode_logits(model_path, prompt, a[:first], batched=True, n_threads=n_threads)
-    ta, tb = a[first], b[first]
-    margin = float(plain[ta] - plain[tb])
-    noise = abs(margin - float(batch[ta] - batch[tb]))
-    top = [int(t) for t in np.argsort(plain)[::-1][:2]]
-    tie = ta in top and tb in top and margin < max(epsilon, 2.0 * noise)
-    return Comparison(same=False, tie=tie, index=first, margin=margin, noise=noise, top=tuple(top),
-                      tokens=(ta, tb))
+@lru_cache(maxsize=8)
+def _model(path: str) -> Model:
+    return Model(path)
 
 
-def assert_same_or_tie(model_path: Path, prompt: list[int], plain: list[int], spec: list[int],
-                       epsilon: float = TIE_EPSILON) -> None:
-    """Equal outputs, or a first difference at a true near-tie of the plain run's logits."""
-    result = compare(model_path, prompt, plain, spec, epsilon)
-    if result.ok:
-        return
-    if result.tokens is None:
-        raise AssertionError(f"outputs differ in length only: {len(plain)} vs {len(spec)} tokens")
-    raise AssertionError(f"speculative output differs from plain: {result.describe()}: not a near-tie")
+def _draws(seed: int, n: int) -> list[float]:
+    """The first ``n`` uniforms of llama.cpp's ``dist`` sampler seeded with ``seed``:
+    ``std::uniform_real_distribution<double>(0, 1)`` over ``std::mt19937(seed)``, which
+    libstdc++ makes from two 32-bit outputs (generate_canonical)."""
+    state = [seed & 0xFFFFFFFF]
+    for i in range(1, 624):  # std::mt19937's seeding (init_genrand)
+        prev = state[-1]
+        state.append((1812433253 * (prev ^ (prev >> 30)) + i) & 0xFFFFFFFF)
+    mt = random.Random()
+    mt.setstate((3, (*state, 624), None))  # Python's Random is MT19937: the same outputs from here
+    out = []
+    for _ in range(n):
+        total = float(mt.getrandbits(32)) + float(mt.getrandbits(32)) * 4294967296.0
+        u = total / 18446744073709551616.0
+        out.append(u if u < 1.0 else float(np.nextafter(1.0, 0.0)))
+    return out
+
+
+def _select(ids: np.ndarray, logits: np.ndarray, draw: float | None) -> int:
+    """The index llama.cpp's final selector takes: greedy the first highest logit; dist the
+    first candidate whose cumulative softmax (float32 terms summed in double) reaches the draw."""
+    if draw is None:
+        return int(np.argmax(logits))
+    weights = np.exp((logits - logits.max()).astype(np.float32)).astype(np.float64)
+    cumulative = np.cumsum(weights)
+    return min(int(np.searchsorted(cumulative, cumulative[-1] * draw, side="left")), len(ids) - 1)
+
+
+def _draw_distance(logits: np.ndarray, draw: float, index: int) -> float:
+    """How far the draw lies from candidate ``index``'s interval of the cumulative distribution."""
+    weights = np.exp((logits - logits.max()).astype(np.float64))
+    cumulative = np.concatenate([[0.0], np.cumsum(weights) / weights.sum()])
+    return max(cumulative[index] - draw, draw - cumulative[index + 1], 0.0)
+
+
+def _cdf_bound(logits: np.ndarray, plain: int, got: int, noise: float, edge_mass: float) -> float:
+    """The most logit noise of ``noise`` (each candidate's logit moved by at most that much
+    against the others) can move the cumulative distribution towards candidate ``got`` from the
+    draw in candidate ``plain``'s interval: the candidates between them pushed one way and the
+    rest the other, the two swapping places in the chain's order when they are that close, and
+    ``edge_mass``, the probability of the tokens that the same noise can move into or out of
+    the chain's cut (top-k, top-p, min-p)."""
+    weights = np.exp((logits - logits.max()).astype(np.float64))
+    weights /= weights.sum()
+    boundary = got if got > plain else got + 1  # candidates before the boundary facing the draw
+    before = weights[:boundary].sum()
+    shift = 0.0
+    for sign in (1.0, -1.0):
+        moved = weights.copy()
+        moved[:boundary] *= np.exp(sign * noise)
+        moved[boundary:] *= np.exp(-sign * noise)
+        shift = max(shift, abs(float(moved[:boundary].sum() / moved.sum() - before)))
+    if abs(float(logits[plain] - logits[got])) <= 2 * noise:
+        shift += abs(float(weights[plain] - weights[got]))
+    return shift + edge_mass
+
+
+def _edge_mass(raw: np.ndarray, ids: np.ndarray, logits: np.ndarray, noise: float, temperature: float) -> float:
+    """The probability (in the chain's distribution) of the tokens within ``noise`` of the
+    edge of the chain's cut, on either side: those the noise can add to or take from it."""
+    if len(ids) == len(raw):
+        return 0.0  # nothing cut
+    edge = float(raw[ids].min())
+    near = (raw >= edge - noise) & (raw <= edge + noise)
+    total = np.exp((logits - logits.max()).astype(np.float64)).sum()
+    scale = float(logits.max()) - float(raw[ids].max()) / temperature  # chain logit = raw / T + this
+    return float(np.exp(raw[near] / temperature + scale - logits.max()).sum() / total)
+
+
+def _decode_chunks(ctx: Context, tokens: list[int], start: int) -> None:
+    for at in range(0, len(tokens), N_BATCH):
+        part = tokens[at:at + N_BATCH]
+        ctx.decode(part, range(start + at, start + at + len(part)), [0] * len(part),
+                   [False] * (len(part) - 1) + [True])
+
+
+def _decode_padded(ctx: Context, tokens: list[int], start: int, total: int, want: int | None) -> None:
+    """Decode ``tokens`` of sequence 0 from position ``start`` inside a batch of ``total``
+    tokens, the rest filler of sequence 1 (removed again): the shape of a busy step."""
+    others = max(0, total - len(tokens))
+    filler = tokens[-1]
+    ctx.decode(tokens + [filler] * others, list(range(start, start + len(tokens))) + list(range(others)),
+               [0] * len(tokens) + [1] * others, [k == want for k in range(len(tokens))] + [False] * others)
+    if others:
+        ctx.memory_seq_rm(1, -1, -1)
+
+
+def _shape_context(model: Model, n_tokens: int, widest: int, n_threads: int) -> Context:
+    n_batch = max(N_BATCH, widest)
+    return Context(model, n_ctx=max(256, 2 * n_tokens + widest + 16), n_batch=n_batch, n_ubatch=n_batch,
+                   n_seq_max=3, n_threads=n_threads, kv_unified=True)
+
+
+class _Scatter:
+    """Spreads sequence 0's memory cells between those of a third sequence, as requests that
+    come and go do in the engine's shared KV buffer: where the cells lie changes the order of
+    llama.cpp's attention sums, and so the logits a little (0.04 logits seen on the tiny F32
+    llama, 0.006 on the tiny LFM2)."""
+
+    def __init__(self, ctx: Context, seed: int | None) -> None:
+        self.ctx, self.rng, self.active, self.n = ctx, random.Random(seed), seed is not None, 0
+
+    def __call__(self) -> None:
+        if not self.active:
+            return
+        k = self.rng.randint(0, 3)
+        if k:
+            self.ctx.decode([0] * k, range(self.n, self.n + k), [2] * k, [False] * k)
+            self.n += k
+        if self.n and self.rng.random() < 0.3:
+            self.ctx.memory_seq_rm(2, -1, -1)
+            self.n = 0
+
+
+def _in_shape(model: Model, history: list[int], shape: BatchShape, n_threads: int) -> Context:
+    """A context whose output 0 holds the logits after ``history`` with its last token decoded
+    at offset ``shape.offset`` of a segment of ``shape.length`` inside a batch of ``shape.total``."""
+    offset = min(shape.offset, len(history) - 1)
+    start = len(history) - 1 - offset
+    segment = history[start:] + [history[-1]] * (shape.length - offset - 1)
+    ctx = _shape_context(model, len(history) + shape.length, max(shape.total, shape.length), n_threads)
+    if start:
+        _decode_chunks(ctx, history[:start], 0)
+    _decode_padded(ctx, segment, start, max(shape.total, len(segment)), want=offset)
+    return ctx
+
+
+def _replayed(model: Model, prompt: list[int], output: list[int], trace: Trace, index: int,
+              n_threads: int, scatter: int | None = None) -> Context:
+    """A context whose output 0 holds the logits that chose ``output[index]``, recomputed
+    with the recorded shapes: the prompt in its chunks, then each decode of the output as a
+    segment of its length inside a batch of its size (the accepted tokens only; the rest
+    filler). ``scatter``: a seed to spread the sequence's cells as busy slots do."""
+    history = prompt + output
+    widest = max(s.total for s in (*trace.prefill, *trace.tokens[:index + 1]))
+    ctx = _shape_context(model, len(history), widest, n_threads)
+    spread = _Scatter(ctx, scatter)
+    pos = 0
+    for chunk in trace.prefill:
+        spread()
+        _decode_padded(ctx, prompt[pos:pos + chunk.length], pos, chunk.total, want=chunk.length - 1)
+        pos += chunk.length
+    j = 1
+    while j <= index:
+        shape = trace.tokens[j]
+        last = j  # one decode's tokens: consecutive offsets in batches of one shape
+        while (last + 1 <= index and trace.tokens[last + 1][::2] == shape[::2]
+               and trace.tokens[last + 1].offset == trace.tokens[last].offset + 1):
+            last += 1
+        start = len(prompt) + j - 1 - shape.offset
+        end = len(prompt) + last  # history[start:end]: the fed token(s) and the accepted drafts
+        spread()
+        _decode_padded(ctx, history[start:end], start, max(shape.total, end - start),
+                       want=end - start - 1 if last == index else None)
+        j = last + 1
+    return ctx
+
+
+@dataclass
+class _Judge:
+    """Decides whether a difference is a near-tie."""
+
+    model: Model
+    prompt: list[int]
+    output: list[int]
+    trace: Trace | None
+    sampler: Sampler | None
+    temperature: float
+    n_threads: int
+
+    def _recomputed(self, index: int) -> Iterator[Context]:
+        if self.trace is not None and len(self.trace.tokens) > index:
+            for scatter in (None, *SCATTER_SEEDS):
+                yield _replayed(self.model, self.prompt, self.output, self.trace, index, self.n_threads, scatter)
+            return
+        history = self.prompt + self.output[:index]
+        for shape in TYPICAL_SHAPES:
+            yield _in_shape(self.model, history, shape, self.n_threads)
+
+    def _candidates(self, ctx: Context) -> tuple[np.ndarray, np.ndarray]:
+        if self.sampler is None:
+            logits = ctx.logits(0)
+            return np.arange(len(logits), dtype=np.int32), logits
+        return self.sampler.candidates(ctx, 0)
+
+    def __call__(self, walk: Context, index: int, plain: int, got: int, draw: float | None,
+                 allow_ties: bool) -> Tie:
+        ids, logits = self._candidates(walk)
+        position = {int(t): k for k, t in enumerate(ids)}
+        if got not in position:  # the chain cut the token (top-k/top-p/min-p) in the plain run
+            return Tie(index, plain, got, float("inf"), 0.0, False)
+        a, b = position[plain], position[got]
+        gap = float(logits[a] - logits[b]) if draw is None else _draw_distance(logits, draw, b)
+        if not allow_ties:
+            return Tie(index, plain, got, gap, 0.0, False)
+        raw = walk.logits(0)
+        # Noise: how far the recomputations move the two tokens' logits against each other
+        # (greedy), or the candidates that carry the probability against each other (sampled).
+        watched = [plain, got] if draw is None else [int(t) for t, lg in zip(ids, logits, strict=True)
+                                                     if lg >= logits.max() - 30.0]
+        noise = 0.0
+        for ctx in self._recomputed(index):
+            delta = ctx.logits(0)[watched] - raw[watched]
+            noise = max(noise, float(delta.max() - delta.min()))
+            moved_ids, moved_logits = self._candidates(ctx)
+            if int(moved_ids[_select(moved_ids, moved_logits, draw)]) == got:
+                return Tie(index, plain, got, gap, noise, True)
+        if draw is None:
+            return Tie(index, plain, got, gap, noise, gap <= max(TIE_EPSILON, noise))
+        # The chain divides logits by the temperature (penalties only shrink them further).
+        edge = _edge_mass(raw, ids, logits, noise, self.temperature)
+        bound = _cdf_bound(logits, a, b, noise / self.temperature, edge)
+        return Tie(index, plain, got, gap, noise, gap <= max(CDF_EPSILON, bound))
+
+
+def check(model_path: Path | str, prompt: list[int], output: list[int], *, sampling: SamplingParams | None = None,
+          trace: Trace | None = None, allow_ties: bool = True, n_threads: int = 2) -> Verdict:
+    """Walk ``output`` along the plain run of the target at ``model_path`` for ``prompt``.
+
+    ``sampling``: the request's parameters (None or greedy without penalties: argmax); a
+    sampled request needs its seed. ``trace``: the batch shapes the engine recorded (None:
+    typical shapes are tried at a difference). ``allow_ties=False``: any difference fails
+    (one slot on F32, where there is no noise)."""
+    model = _model(str(model_path))
+    params = sampling or SamplingParams()
+    sampled = not params.greedy
+    if sampled and params.seed is None:
+        raise ValueError("a sampled output can only be checked with its seed")
+    sampler = None
+    if sampled or params.penalized:
+        sampler = Sampler(model, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                          min_p=params.min_p, repeat_penalty=params.repeat_penalty,
+                          frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+                          penalty_last_n=params.penalty_last_n, seed=params.seed or 0)
+    draws = _draws(params.seed, len(output)) if sampled else []
+    judge = _Judge(model, prompt, output, trace, sampler, params.temperature or 1.0, n_threads)
+    walk = Context(model, n_ctx=max(256, len(prompt) + len(output) + 16), n_batch=N_BATCH, n_ubatch=N_BATCH,
+                   n_threads=n_threads)
+    _decode_chunks(walk, prompt, 0)
+    ties: list[Tie] = []
+    for i, got in enumerate(output):
+        draw = draws[i] if sampled else None
+        ids, logits = judge._candidates(walk)
+        plain = int(ids[_select(ids, logits, draw)])
+        if got != plain:
+            tie = judge(walk, i, plain, got, draw, allow_ties)
+            if not tie.explained:
+                return Verdict(i, sampled, tuple(ties), tie)
+            ties.append(tie)
+        if sampler is not None:
+            sampler.accept(got)
+        walk.decode([got], [len(prompt) + i], [0], [True])
+    return Verdict(len(output), sampled, tuple(ties))

@@ -8,11 +8,10 @@ rejection restores it, trims the attention part with ``memory_seq_rm`` and repla
 accepted tokens. The replay is left to the caller.
 
 Where the context keeps a ring of recurrent-state snapshots (llama.cpp's EXPERIMENTAL
-``n_rs_seq``), ``memory_seq_rm`` of a tail of at most that many tokens of the last decode
-works on recurrent memory too, and a rollback needs neither checkpoint nor replay. It is
-only valid inside the last decoded batch and while at least one of its tokens is kept (seen
-here: removing a whole batch, or reaching into an earlier one, leaves a wrong state); a
-verify batch always keeps its first token, the last sampled one.
+``n_rs_seq``), ``memory_seq_rm`` of a tail of the last decode works on recurrent memory too,
+and a rollback needs neither checkpoint nor replay, but only under conditions on the shape
+of that decode (hyspec.ring); where they do not hold, the scheduler takes a checkpoint and
+this module restores it as on a context without a ring.
 """
 
 from __future__ import annotations
@@ -59,12 +58,15 @@ class SeqRollback:
         self.ctx = ctx
         self.method = method
 
-    def checkpoint(self, seq: int, n_tokens: int, current: Checkpoint | None) -> Checkpoint | None:
+    def checkpoint(self, seq: int, n_tokens: int, current: Checkpoint | None, *,
+                   ring_unsafe: bool = False) -> Checkpoint | None:
         """A checkpoint of ``seq`` at ``n_tokens`` (its current length) before speculating.
 
         Reuses ``current`` when it is already at that length (after a rollback the restored
-        state is still the one saved), and needs none on attention memory."""
-        if self.method is not RollbackMethod.CHECKPOINT:
+        state is still the one saved). Needs none on attention memory, nor with a snapshot ring
+        unless the decode's shape makes the ring's rollback unsafe (``ring_unsafe``)."""
+        needed = self.method is RollbackMethod.CHECKPOINT or (self.method is RollbackMethod.RING and ring_unsafe)
+        if not needed:
             return None
         if current is not None and current.n_tokens == n_tokens:
             return current
@@ -73,8 +75,9 @@ class SeqRollback:
     def truncate(self, seq: int, n_keep: int, checkpoint: Checkpoint | None) -> int:
         """Cut ``seq`` back to at most ``n_keep`` tokens; returns the length it now has.
 
-        Tokens between the returned length and ``n_keep`` must be replayed by the caller."""
-        if self.method is not RollbackMethod.CHECKPOINT:
+        Tokens between the returned length and ``n_keep`` must be replayed by the caller. With
+        a snapshot ring, a ``checkpoint`` given means the ring's rollback was unsafe: restore it."""
+        if self.method is RollbackMethod.SEQ_RM or (self.method is RollbackMethod.RING and checkpoint is None):
             if not self.ctx.memory_seq_rm(seq, n_keep, -1):
                 raise RuntimeError(f"memory_seq_rm refused to trim sequence {seq} at {n_keep}")
             return n_keep

@@ -24,8 +24,10 @@ from hyspec.draft_policy import DraftPolicy, StepCosts
 from hyspec.drafters import Drafter, DraftItem
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
+from hyspec.planner import Demand, plan
+from hyspec.ring import safe_rollbacks
 from hyspec.rollback import Checkpoint, RollbackMethod, SeqRollback
-from hyspec.types import FinishReason, Result, SamplingParams, SpecMode, Stats
+from hyspec.types import BatchShape, FinishReason, Result, SamplingParams, SpecMode, Stats, Trace
 
 log = logging.getLogger("hyspec.scheduler")
 
@@ -59,6 +61,7 @@ class Slot:
     policy: DraftPolicy = field(default_factory=lambda: DraftPolicy(0))
     stats: Stats = field(default_factory=Stats)
     t_prompt_done: float = 0.0
+    trace: Trace | None = None  # recorded for hyspec.exactness (record_shapes)
 
     @property
     def feed(self) -> list[int]:
@@ -71,7 +74,7 @@ class _Planned:
     tokens: list[int]  # fed tokens then draft
     n_feed: int
     draft: list[int]
-    first_output: int  # index of the slot's first output in the decode
+    first_output: int = 0  # index of the slot's first output in the decode
 
 
 class _Stop:
@@ -80,19 +83,22 @@ class _Stop:
 
 class Scheduler:
     def __init__(self, *, target: Context, rollback: SeqRollback, drafters: dict[SpecMode, Drafter],
-                 n_slots: int, n_ctx_seq: int, n_batch: int, max_rollback: int | None = None) -> None:
+                 n_slots: int, n_ctx_seq: int, n_batch: int, ring: int = 0,
+                 record_shapes: bool = False) -> None:
         self.ctx = target
         self.model: Model = target.model
         self.rollback = rollback
         self.drafters = drafters
         self.n_ctx_seq = n_ctx_seq
         self.n_batch = n_batch
-        self.max_rollback = max_rollback  # a snapshot ring bounds how many tokens can be dropped
+        self.ring = ring  # recurrent-state snapshots per sequence (0: no ring); bounds a rollback
         self.costs = StepCosts()  # what decoding, drafting and replaying take here
         self.inbox: queue.SimpleQueue[Job | RequestHandle | _Stop] = queue.SimpleQueue()
         self.waiting: deque[Job] = deque()
         self.free_seqs: list[int] = list(range(n_slots))  # a heap: the lowest free id first
         self.slots: dict[int, Slot] = {}
+        self.record_shapes = record_shapes
+        self._turn = 0  # rotates which slot the planner serves first
 
     # -- commands, from any thread ---------------------------------------------------------
 
@@ -168,7 +174,8 @@ class Scheduler:
             job = self.waiting.popleft()
             seq = heapq.heappop(self.free_seqs)
             policy = DraftPolicy(job.draft_max, job.adaptive, costs=self.costs)
-            slot = Slot(seq=seq, job=job, history=list(job.prompt), policy=policy)
+            slot = Slot(seq=seq, job=job, history=list(job.prompt), policy=policy,
+                        trace=Trace() if self.record_shapes else None)
             slot.stats.prompt_tokens = len(job.prompt)
             slot.stats.accepted_by_position = [0] * job.draft_max
             self.slots[seq] = slot
@@ -183,7 +190,10 @@ class Scheduler:
         stats.completion_tokens = len(job.output.token_ids)
         elapsed = time.perf_counter() - slot.t_prompt_done if slot.generating else 0.0
         stats.tokens_per_second = stats.completion_tokens / elapsed if elapsed > 0 else 0.0
-        job.handle.emit(Result(job.output.text, job.output.token_ids, reason, stats))
+        trace = slot.trace
+        if trace is not None:
+            trace = Trace(trace.prefill, trace.tokens[:len(job.output.token_ids)])
+        job.handle.emit(Result(job.output.text, job.output.token_ids, reason, stats, trace))
         # Free everything the request held before its sequence id is reused.
         self.rollback.clear(slot.seq)
         for drafter in self.drafters.values():
@@ -197,40 +207,33 @@ class Scheduler:
         for slot in list(self.slots.values()):
             if slot.n_mem + len(slot.feed) > self.n_ctx_seq:
                 self._finish(slot, FinishReason.LENGTH)  # no room for the next token
-        # In sequence order: llama.cpp keeps consecutive ascending sequences in one ubatch.
-        slots = sorted(self.slots.values(), key=lambda s: s.seq)
-        generating = [s for s in slots if s.generating]
-        prefilling = [s for s in slots if not s.generating]
-        drafts = self._drafts(generating)
-
-        plan: list[_Planned] = []
-        budget = self.n_batch
-        n_outputs = 0
-        for slot in generating + prefilling:
-            feed = slot.feed
-            if budget <= 0 or (slot.generating and len(feed) > budget):
-                continue
-            if slot.generating:
-                draft = drafts.get(slot.seq, [])[: budget - len(feed)]
-                if len(draft) < slot.job.draft_min:
-                    draft = []
-                tokens = feed + draft
-                outputs = 1 + len(draft)
-            else:
-                tokens = feed[:budget]
+        slots = {s.seq: s for s in self.slots.values()}
+        drafts = self._drafts([s for s in slots.values() if s.generating])
+        demands = [Demand(s.seq, len(s.feed), len(drafts.get(s.seq, [])), s.generating) for s in slots.values()]
+        # Recurrent memory makes llama.cpp split a batch into ubatches holding the same number of
+        # tokens of every sequence, one weight pass each: drafts of one length keep a step at
+        # most two passes (slots without a draft have one token).
+        grants = plan(demands, self.n_batch, start=self._turn,
+                      equal_drafts=self.rollback.method is not RollbackMethod.SEQ_RM)
+        self._turn += 1
+        steps: list[_Planned] = []
+        for grant in grants:
+            slot = slots[grant.seq]
+            draft = drafts.get(slot.seq, [])[:grant.draft]
+            if len(draft) < slot.job.draft_min:
                 draft = []
-                outputs = 1 if len(tokens) == len(feed) else 0
-            if draft:
-                slot.checkpoint = self.rollback.checkpoint(slot.seq, slot.n_mem, slot.checkpoint)
-            plan.append(_Planned(slot, tokens, min(len(feed), len(tokens)), draft, n_outputs))
-            n_outputs += outputs
-            budget -= len(tokens)
-        if not plan:
+            steps.append(_Planned(slot, slot.feed[:grant.feed] + draft, grant.feed, draft))
+        if not steps:
             return
-
+        if self.rollback.method is RollbackMethod.RING:
+            # Drafted slots last: llama.cpp then verifies them in the final ubatch, where the
+            # ring's rollback is exact (hyspec.ring); the others first, in sequence order.
+            steps.sort(key=lambda p: (bool(p.draft), p.slot.seq))
         tokens, positions, seqs, wants = [], [], [], []
-        for p in plan:
+        n_outputs = 0
+        for p in steps:
             n = len(p.tokens)
+            p.first_output = n_outputs
             tokens += p.tokens
             positions += range(p.slot.n_mem, p.slot.n_mem + n)
             seqs += [p.slot.seq] * n
@@ -238,27 +241,39 @@ class Scheduler:
                 wants += [False] * (p.n_feed - 1) + [True] * (1 + len(p.draft))
             else:
                 wants += [False] * (n - 1) + [p.n_feed == len(p.slot.feed)]
+            n_outputs += wants[-n:].count(True)
+        safe = safe_rollbacks(seqs, self.n_batch, self.ring) if self.ring else {}
+        for p in steps:
+            if p.draft:
+                # A rejected draft is rolled back by the ring only where this decode's shape
+                # makes that exact; anywhere else by restoring a checkpoint and replaying.
+                unsafe = safe.get(p.slot.seq, 0) < len(p.draft)
+                p.slot.checkpoint = self.rollback.checkpoint(p.slot.seq, p.slot.n_mem, p.slot.checkpoint,
+                                                             ring_unsafe=unsafe)
         started = time.perf_counter()
         self.ctx.decode(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
                         np.asarray(seqs, np.int32), np.asarray(wants, bool))
-        if not prefilling:
-            self.costs.decoded(time.perf_counter() - started, sum(len(p.draft) for p in plan))
+        if all(p.slot.generating for p in steps):
+            self.costs.decoded(time.perf_counter() - started, sum(len(p.draft) for p in steps))
         argmax = self.ctx.argmax_all() if n_outputs else None
 
-        for p in plan:
+        total = len(tokens)
+        for p in steps:
             slot = p.slot
             if slot.generating:
-                self._verify(p, argmax)
+                self._verify(p, argmax, total)
             elif p.n_feed < len(slot.feed):
+                self._record_chunk(slot, p.n_feed, total)
                 slot.n_mem += p.n_feed  # a prompt chunk; more to come
             else:
+                self._record_chunk(slot, p.n_feed, total)
                 slot.n_mem += p.n_feed
                 slot.generating = True
                 slot.t_prompt_done = time.perf_counter()
                 token = self._sample(slot, p.first_output, argmax)
                 slot.stats.ttft_ms = (slot.t_prompt_done - slot.job.t_submit) * 1000.0
-                self._emit(slot, [token])
-        self._replay([p.slot for p in plan if p.slot.seq in self.slots])
+                self._emit(slot, [token], [BatchShape(len(p.tokens), len(p.tokens) - 1, total)])
+        self._replay([p.slot for p in steps if p.slot.seq in self.slots])
 
     def _replay(self, slots: list[Slot]) -> None:
         """One decode, without logits, of the accepted tokens every rolled-back slot lost, so
@@ -285,7 +300,7 @@ class Scheduler:
                 continue
             room = self.n_ctx_seq - slot.n_mem - len(slot.feed)
             left = job.output.remaining - 1  # the target always adds one token of its own
-            max_len = min(slot.policy.length(), room, left, self.max_rollback or job.draft_max)
+            max_len = min(slot.policy.length(), room, left, self.ring or job.draft_max)
             if max_len >= max(1, job.draft_min):
                 by_drafter.setdefault(job.spec, []).append(DraftItem(slot.seq, slot.history, max_len))
         drafts: dict[int, list[int]] = {}
@@ -295,12 +310,6 @@ class Scheduler:
             self.costs.drafted(time.perf_counter() - started, sum(len(d) for d in proposed))
             for item, draft in zip(items, proposed, strict=True):
                 drafts[item.seq] = draft
-        if self.rollback.method is not RollbackMethod.SEQ_RM and len(generating) > 1:
-            # Recurrent memory makes llama.cpp split a batch into ubatches holding the same
-            # number of tokens of every sequence, one weight pass each: cutting the drafts to
-            # one length keeps a step at most two passes (slots without a draft have one token).
-            common = min((len(d) for d in drafts.values() if d), default=0)
-            drafts = {seq: d[:common] for seq, d in drafts.items()}
         return drafts
 
     def _sample(self, slot: Slot, output: int, argmax: np.ndarray | None) -> int:
@@ -309,7 +318,7 @@ class Scheduler:
             return int(argmax[output])  # the greedy chain would pick the same (first) maximum
         return job.sampler.sample(self.ctx, output)
 
-    def _verify(self, p: _Planned, argmax: np.ndarray | None) -> None:
+    def _verify(self, p: _Planned, argmax: np.ndarray | None, total: int) -> None:
         """Accept the longest draft prefix the target's own sampler reproduces, plus the
         target's next token; roll back the rest."""
         slot, draft = p.slot, p.draft
@@ -335,13 +344,21 @@ class Scheduler:
             stats.replayed_tokens += valid - slot.n_mem
         else:
             slot.n_mem = valid
-        self._emit(slot, emitted)
+        shapes = [BatchShape(len(p.tokens), p.n_feed - 1 + j, total) for j in range(len(emitted))]
+        self._emit(slot, emitted, shapes)
 
-    def _emit(self, slot: Slot, tokens: list[int]) -> None:
+    @staticmethod
+    def _record_chunk(slot: Slot, n: int, total: int) -> None:
+        if slot.trace is not None:
+            slot.trace.prefill.append(BatchShape(n, n - 1, total))
+
+    def _emit(self, slot: Slot, tokens: list[int], shapes: list[BatchShape]) -> None:
         job = slot.job
         reason = None
-        for token in tokens:
+        for token, shape in zip(tokens, shapes, strict=True):
             slot.history.append(token)
+            if slot.trace is not None:
+                slot.trace.tokens.append(shape)
             reason = job.output.push(token)
             if reason is not None:
                 break

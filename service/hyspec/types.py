@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 
 class SpecMode(str, enum.Enum):
@@ -108,14 +109,37 @@ class Chunk:
     text: str
 
 
+class BatchShape(NamedTuple):
+    """Where a generated token's logits came from: its sequence's segment of ``length``
+    tokens at ``offset`` in a decode of ``total`` tokens (llama.cpp's logits depend a little
+    on the batch shape; hyspec.exactness reproduces it)."""
+
+    length: int
+    offset: int
+    total: int
+
+
+@dataclass
+class Trace:
+    """How a request's tokens went through llama.cpp (diagnostics for hyspec.exactness): the
+    prompt chunks in order (length = offset + 1 = the chunk), and for each generated token the
+    shape of the decode whose logits chose it. Consecutive tokens of one decode have
+    consecutive offsets."""
+
+    prefill: list[BatchShape] = field(default_factory=list)
+    tokens: list[BatchShape] = field(default_factory=list)
+
+
 @dataclass
 class Result:
-    """The terminal event of a request."""
+    """The terminal event of a request. ``trace`` only when the engine records it
+    (EngineConfig.record_shapes)."""
 
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
     stats: Stats
+    trace: Trace | None = None
 
     def to_dict(self) -> dict:
         return {

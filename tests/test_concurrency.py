@@ -1,0 +1,60 @@
+"""Exactness under concurrency: randomized mixes of requests on several busy slots, every
+speculation mode and rollback method, hybrid and attention targets (tests/concurrency.py).
+
+The soak runs the same check for minutes: `make soak` (pytest -m soak) before a release."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from concurrency import Figures, draw_cases, run_round
+from hyspec.engine import Engine, EngineConfig
+from hyspec.types import SpecMode
+
+BATCH = 64  # n_batch = n_ubatch: prompts up to 2x this long are split across steps
+CONFIGS = {
+    # name: (target fixture, draft fixture, rs_snapshots)
+    "hybrid-ring": ("tiny_lfm2", "tiny_lfm2_q8", None),
+    "hybrid-checkpoint": ("tiny_lfm2", "tiny_lfm2_q8", 0),
+    "attention": ("tiny_llama", "tiny_llama_q8", None),
+}
+MODES = [SpecMode.OFF, SpecMode.DRAFT, SpecMode.NGRAM]
+
+
+@pytest.fixture(params=list(CONFIGS), scope="module")
+def loaded(request: pytest.FixtureRequest) -> Iterator[tuple[str, Engine, Path]]:
+    target_name, draft_name, rs = CONFIGS[request.param]
+    target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
+    config = EngineConfig(model=target, draft=draft, slots=4, ctx=512, batch=BATCH, threads=2, draft_max=4,
+                          adaptive_draft=False, rs_snapshots=rs, max_queue=64, record_shapes=True)
+    with Engine(config) as engine:
+        expected = {"hybrid-ring": "ring", "hybrid-checkpoint": "checkpoint", "attention": "seq_rm"}[request.param]
+        assert engine.info()["rollback"] == expected
+        yield request.param, engine, target
+
+
+def _rounds(loaded: tuple[str, Engine, Path], seeds: range, per_round: int) -> Figures:
+    name, engine, target = loaded
+    total = Figures()
+    for seed in seeds:
+        rng = random.Random(f"{name}-{seed}")
+        total.add(run_round(engine, target, draw_cases(rng, MODES, per_round, long_prompt=BATCH)))
+    print(f"{name}: {total.summary()}")
+    return total
+
+
+def test_concurrent_requests_equal_their_plain_runs(loaded: tuple[str, Engine, Path]) -> None:
+    figures = _rounds(loaded, range(3), per_round=8)
+    assert not figures.mismatches, "\n".join(figures.mismatches)
+    assert figures.rollbacks > 0 and figures.accepted > 0, figures.summary()
+
+
+@pytest.mark.soak
+def test_soak(loaded: tuple[str, Engine, Path]) -> None:
+    """The same, for minutes: HYSPEC_SOAK_ROUNDS rounds (default 40) of 8 requests per target."""
+    figures = _rounds(loaded, range(100, 100 + int(os.environ.get("HYSPEC_SOAK_ROUNDS", "40"))), per_round=8)
+    assert not figures.mismatches, "\n".join(figures.mismatches)
