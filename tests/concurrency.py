@@ -1,11 +1,12 @@
 """Randomized concurrent load on one engine, every output checked against the plain run.
 
 A round draws requests (prompts of different lengths, some longer than a ubatch; greedy and
-seeded sampling; every speculation mode the engine has; some cancelled part-way) and
-submits them at random moments, so that they arrive while others are mid-generation. Every
-output, finished or cancelled, is then walked along the target's plain run
-(hyspec.exactness) with the batch shapes the engine recorded. Shared by the make-test check
-and the longer soak (test_concurrency.py).
+seeded sampling; every speculation mode the engine has; some cancelled part-way; some
+continuing an earlier request's prompt, so that the prefix cache hits) and submits them at
+random moments, so that they arrive while others are mid-generation. Every output, finished
+or cancelled, is then walked along the target's plain run (hyspec.exactness) with the batch
+shapes the engine recorded. Shared by the make-test check and the longer soak
+(test_concurrency.py).
 """
 
 from __future__ import annotations
@@ -43,17 +44,19 @@ class Figures:
     drafted: int = 0
     accepted: int = 0
     rollbacks: int = 0
+    cached: int = 0
     ties: int = 0
     mismatches: list[str] = field(default_factory=list)
 
     def add(self, other: Figures) -> None:
-        for name in ("requests", "cancelled", "tokens", "drafted", "accepted", "rollbacks", "ties"):
+        for name in ("requests", "cancelled", "tokens", "drafted", "accepted", "rollbacks", "cached", "ties"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.mismatches += other.mismatches
 
     def summary(self) -> str:
         return (f"{self.requests} requests ({self.cancelled} cancelled), {self.tokens} tokens, "
                 f"{self.accepted}/{self.drafted} drafts accepted, {self.rollbacks} rollbacks, "
+                f"{self.cached} prompt tokens from the prefix cache, "
                 f"{self.ties} near-ties forgiven, {len(self.mismatches)} mismatches")
 
 
@@ -65,7 +68,12 @@ def draw_cases(rng: random.Random, modes: list[SpecMode], n: int, long_prompt: i
             length = rng.randint(long_prompt + 1, 2 * long_prompt + 20)  # longer than a ubatch
         else:
             length = rng.randint(2, 40)
-        if rng.random() < 0.3:  # repetitive: the n-gram drafter finds something
+        delay = rng.random() * 0.3
+        if cases and rng.random() < 0.25:  # a later turn of an earlier request: the prefix cache hits
+            parent = rng.choice(cases)
+            prompt = parent.prompt[1:] + [rng.randint(VOCAB_LOW, VOCAB_HIGH) for _ in range(length // 4 + 1)]
+            delay = parent.delay + 0.5 + rng.random() * 0.5  # mostly after the parent finished
+        elif rng.random() < 0.3:  # repetitive: the n-gram drafter finds something
             unit = [rng.randint(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(2, 6))]
             prompt = (unit * (length // len(unit) + 1))[:length]
         else:
@@ -74,7 +82,7 @@ def draw_cases(rng: random.Random, modes: list[SpecMode], n: int, long_prompt: i
         sampling = (SamplingParams(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 40]),
                                    seed=rng.randrange(2**32)) if sampled else SamplingParams())
         cases.append(Case(prompt=[128000] + prompt, max_tokens=rng.randint(8, 56), mode=rng.choice(modes),
-                          sampling=sampling, delay=rng.random() * 0.3,
+                          sampling=sampling, delay=delay,
                           cancel_after=rng.randint(1, 12) if rng.random() < 0.15 else None))
     return cases
 
@@ -122,5 +130,6 @@ def run_round(engine: Engine, model: Path, cases: list[Case]) -> Figures:
         figures.drafted += result.stats.drafted
         figures.accepted += result.stats.accepted
         figures.rollbacks += result.stats.rollbacks
+        figures.cached += result.stats.cached_tokens
         figures.ties += len(verdict.ties)
     return figures

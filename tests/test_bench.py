@@ -130,6 +130,11 @@ def _item(seq: int, history: list[int], max_len: int) -> Any:
     return DraftItem(seq=seq, history=history, max_len=max_len)
 
 
+def _tokens(drafter: Any, item: Any) -> list[int]:
+    [draft] = drafter.propose([item])
+    return draft.tokens
+
+
 def test_oracle_drafts_the_reference_and_stops_at_its_first_wrong_token() -> None:
     from hyspec.drafters.oracle import OracleDrafter
 
@@ -137,13 +142,13 @@ def test_oracle_drafts_the_reference_and_stops_at_its_first_wrong_token() -> Non
     always = OracleDrafter(alpha=1.0)
     always.add_reference(prompt, reference)
     # history = prompt + the 5 tokens accepted so far: the draft continues at reference[5]
-    assert always.propose([_item(0, prompt + reference[:5], 8)]) == [reference[5:13]]
-    assert always.propose([_item(0, prompt + reference[:38], 8)]) == [reference[38:40]]  # the reference ends
+    assert _tokens(always, _item(0, prompt + reference[:5], 8)) == reference[5:13]
+    assert _tokens(always, _item(0, prompt + reference[:38], 8)) == reference[38:40]  # the reference ends
     never = OracleDrafter(alpha=0.0)
     never.add_reference(prompt, reference)
-    [draft] = never.propose([_item(0, prompt + reference[:5], 8)])
+    draft = _tokens(never, _item(0, prompt + reference[:5], 8))
     assert len(draft) == 1 and draft[0] != reference[5]
-    assert never.propose([_item(1, [9, 9, 9, 9], 8)]) == [[]]  # a prompt it has no reference for
+    assert _tokens(never, _item(1, [9, 9, 9, 9], 8)) == []  # a prompt it has no reference for
 
 
 def test_oracle_acceptance_is_alpha_and_divergence_stops_drafting() -> None:
@@ -155,11 +160,11 @@ def test_oracle_acceptance_is_alpha_and_divergence_stops_drafting() -> None:
     drafted = accepted = 0
     for done in range(1, 90):
         for seq in range(30):
-            [draft] = drafter.propose([_item(seq, prompt + reference[:done], 8)])
+            draft = _tokens(drafter, _item(seq, prompt + reference[:done], 8))
             drafted += len(draft)
             accepted += sum(1 for k, token in enumerate(draft) if token == reference[done + k])
     assert abs(accepted / drafted - 0.6) < 0.03
     drafter.release(0)
-    assert drafter.propose([_item(0, prompt + [7, 7], 8)]) == [[]]  # off the reference: nothing to propose
+    assert _tokens(drafter, _item(0, prompt + [7, 7], 8)) == []  # off the reference: nothing to propose
     assert drafter.diverged == 1
-    assert drafter.propose([_item(0, prompt + reference[:3], 8)]) == [[]]  # stays off until released
+    assert _tokens(drafter, _item(0, prompt + reference[:3], 8)) == []  # stays off until released

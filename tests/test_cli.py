@@ -73,7 +73,7 @@ def test_bad_environment_values_are_one_line_errors(env: str, value: str, messag
 
 def test_spec_help_lists_plain_choices() -> None:
     proc = run("generate", "--help")
-    assert "{off,draft,ngram}" in proc.stdout and "SpecMode." not in proc.stdout
+    assert "{off,auto,draft,ngram}" in proc.stdout and "SpecMode." not in proc.stdout
 
 
 def test_remote_requests_carry_only_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,67 +1,138 @@
-"""The adaptive draft length (draft_policy.py)."""
+"""The speculation policy (draft_policy.py) and the per-step choice (speculation.py) on
+synthetic costs and acceptance: no model."""
 
-from hyspec.draft_policy import DraftPolicy, StepCosts
+from __future__ import annotations
 
-
-def test_ramps_up_to_full_drafts_while_accepted() -> None:
-    policy = DraftPolicy(8)
-    lengths = []
-    for _ in range(10):
-        k = policy.length()
-        lengths.append(k)
-        policy.update(k, k)
-    assert 0 < lengths[0] < 8 and lengths[-1] == 8 and lengths == sorted(lengths)
+import pytest
+from hyspec.draft_policy import Acceptance, Costs, SlotRecord, SpeculationPolicy, best_length, expected_gain
+from hyspec.drafters import Draft, DraftItem
+from hyspec.speculation import DRAFT_MODEL, SUFFIX, DraftRequest, Speculator
+from hyspec.types import SpecMode
 
 
-def test_rejections_pause_drafting_and_probes_back_off() -> None:
-    policy = DraftPolicy(8)
-    lengths = []
-    for _ in range(600):
-        k = policy.length()
-        lengths.append(k)
-        policy.update(k, 0)
-    probes = [i for i, k in enumerate(lengths) if k and i > 5]
-    assert all(lengths[i] == 1 for i in probes)
-    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-    assert gaps[:4] == [16, 32, 64, 128] and set(gaps[4:]) == {128}  # each failed probe waits longer
+def costs(step: float = 0.100, per_token: float = 0.0005, draft_token: float = 0.0, rollback: float = 0.0) -> Costs:
+    c = Costs()
+    c.decoded(step, 1, 1)
+    c.per_token, c.draft_token, c.rollback = per_token, draft_token, rollback
+    return c
 
 
-def test_recovers_when_drafts_are_accepted_again() -> None:
-    policy = DraftPolicy(8)
-    for _ in range(10):
-        policy.update(max(policy.length(), 1), 0)
-    for _ in range(12):
-        k = max(policy.length(), 1)
-        policy.update(k, k)
-    assert policy.length() == 8
+def length(chances: list[float], c: Costs, n_slots: int = 1, **kwargs: bool) -> int:
+    policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
+    policy.costs = c
+    options = {"draft_model": False, "own_pass": False, "rollback": False, **kwargs}
+    return best_length(chances, c, rate=policy.rate(n_slots), **options)[0]
 
 
-def test_fixed_length_when_not_adaptive() -> None:
-    policy = DraftPolicy(5, adaptive=False)
-    for _ in range(10):
-        policy.update(5, 0)
-    assert policy.length() == 5
+def test_expected_gain_is_the_chance_of_each_prefix() -> None:
+    assert expected_gain([0.5, 0.5]) == [0.0, 0.5, 0.75]
 
 
-def _at_acceptance(costs: StepCosts, alpha: float) -> int:
-    policy = DraftPolicy(8, costs=costs)
+def test_plain_when_drafting_cannot_pay() -> None:
+    # A draft model as slow as the target with even odds: never worth it.
+    assert length([0.5] * 8, costs(draft_token=0.09), draft_model=True) == 0
+    # Hybrid rollbacks as costly as a step, and mostly wrong drafts: not worth it either.
+    assert length([0.2] * 8, costs(rollback=0.1), rollback=True) == 0
+
+
+def test_longest_draft_when_acceptance_is_near_one() -> None:
+    assert length([0.97] * 8, costs()) == 8
+    assert length([0.97] * 8, costs(draft_token=0.005), draft_model=True) == 8
+
+
+def test_a_nearly_always_right_draft_model_pays_even_when_slow() -> None:
+    assert length([0.97] * 8, costs(draft_token=0.06), draft_model=True) > 0
+    assert length([0.6] * 8, costs(draft_token=0.06), draft_model=True) == 0
+
+
+def test_busy_steps_need_likelier_drafts() -> None:
+    """With many busy slots a verified token costs a larger share of the step's output."""
+    expensive_tokens = costs(per_token=0.01)
+    assert length([0.6] * 8, expensive_tokens, n_slots=1) > 0
+    assert length([0.6] * 8, expensive_tokens, n_slots=16) < length([0.6] * 8, expensive_tokens, n_slots=1)
+
+
+def test_unknown_costs_mean_no_drafting() -> None:
+    assert best_length([0.99] * 4, Costs(), rate=1.0, draft_model=False, own_pass=False, rollback=False) == (0, 0.0)
+
+
+def test_acceptance_is_per_position_and_starts_from_the_prior() -> None:
+    record = Acceptance(prior=0.3)
+    assert record.rate(0) == 0.3
+    for _ in range(50):
+        record.update(4, 1)  # first accepted, second rejected, the rest never compared
+    assert record.rate(0) > 0.95 and record.rate(1) < 0.05 and record.rate(2) == 0.3
+
+
+def test_a_slot_blends_its_own_record_with_the_drafters() -> None:
+    slot = SlotRecord()
+    assert slot.chances([0.5, 0.5], None, 1.0) == [0.5, 0.5]
     for _ in range(40):
-        policy.update(10, round(10 * alpha))  # a rejection after about alpha of the tokens...
-    policy._accepted, policy._drafted = alpha, 1.0  # ...and exactly alpha, to be precise
-    return policy.length()
+        slot.update(4, 4)
+    assert all(c > 0.8 for c in slot.chances([0.5, 0.5], None, 1.0))
+    assert slot.chances([0.5], [0.9], 0.5) == [0.45]  # a confidence, scaled by its calibration
 
 
-def test_known_costs_decide_whether_drafting_pays() -> None:
-    cheap = StepCosts()
-    cheap.decoded(0.100, 0)  # a decode is one pass over the weights: extra tokens are nearly free
-    cheap.decoded(0.104, 8)
-    assert cheap.known and abs(cheap.per_token - 0.0005) < 1e-9
-    assert _at_acceptance(cheap, 0.6) >= 2
+class _Fixed:
+    """A drafter proposing fixed tokens (with a confidence, like the suffix drafter)."""
 
-    expensive = StepCosts()
-    expensive.decoded(0.100, 0)
-    expensive.decoded(0.104, 8)
-    expensive.drafted(0.070, 1)  # a draft model almost as slow as the target
-    expensive.replayed(0.100)
-    assert _at_acceptance(expensive, 0.6) == 0
-    assert _at_acceptance(expensive, 0.97) > 0  # a draft that is nearly always right still pays
+    def __init__(self, tokens: list[int], confidence: list[float] | None) -> None:
+        self.tokens, self.confidence, self.calls = tokens, confidence, 0
+
+    def propose(self, items: list[DraftItem]) -> list[Draft]:
+        self.calls += 1
+        return [Draft(self.tokens[:i.max_len], self.confidence[:i.max_len] if self.confidence else None)
+                for i in items]
+
+    def release(self, seq: int) -> None:
+        pass
+
+
+def _speculator(suffix: _Fixed, model: _Fixed, c: Costs, model_prior: float) -> Speculator:
+    policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
+    policy.costs = c
+    policy.record(DRAFT_MODEL).prior = model_prior
+    return Speculator({SpecMode.NGRAM: suffix, SpecMode.DRAFT: model}, policy)  # type: ignore[dict-item]
+
+
+def _request(mode: SpecMode = SpecMode.AUTO, record: SlotRecord | None = None) -> DraftRequest:
+    return DraftRequest(0, [1, 2, 3], 2, mode, 8, 0, True, record or SlotRecord())
+
+
+def test_auto_takes_a_confident_suffix_match_without_running_the_draft_model() -> None:
+    suffix, model = _Fixed([7] * 8, [0.95] * 8), _Fixed([9] * 8, None)
+    spec = _speculator(suffix, model, costs(draft_token=0.02), model_prior=0.5)
+    proposal = spec.propose([_request()], 1)[0]
+    assert proposal.choice.drafter == SUFFIX and proposal.tokens == [7] * 8 and model.calls == 0
+
+
+def test_auto_falls_back_to_the_draft_model_then_to_nothing() -> None:
+    suffix, model = _Fixed([7] * 8, [0.05] * 8), _Fixed([9] * 8, None)
+    spec = _speculator(suffix, model, costs(draft_token=0.002), model_prior=0.9)
+    proposal = spec.propose([_request()], 1)[0]
+    assert proposal.choice.drafter == DRAFT_MODEL and proposal.tokens and model.calls == 1
+    slow = _speculator(suffix, model, costs(per_token=0.02, draft_token=0.09), model_prior=0.5)
+    assert slow.propose([_request()], 1) == {}
+
+
+def test_a_drafter_that_stopped_paying_is_probed_ever_more_rarely() -> None:
+    suffix, model = _Fixed([], None), _Fixed([9] * 8, None)
+    spec = _speculator(suffix, model, costs(draft_token=0.09), model_prior=0.5)
+    record, probes = SlotRecord(), []
+    for step in range(400):
+        proposal = spec.propose([_request(record=record)], 1).get(0)
+        if proposal is not None:
+            assert proposal.choice.probe and len(proposal.tokens) == 1
+            probes.append(step)
+            spec.verified(record, proposal.choice, 1, 0)  # rejected
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:3] == [32, 64, 128]
+
+
+@pytest.mark.parametrize("mode", [SpecMode.NGRAM, SpecMode.DRAFT])
+def test_fixed_modes_use_their_drafter_at_full_length_when_not_adaptive(mode: SpecMode) -> None:
+    suffix, model = _Fixed([7] * 8, [0.01] * 8), _Fixed([9] * 8, None)
+    spec = _speculator(suffix, model, costs(draft_token=0.09), model_prior=0.01)
+    request = DraftRequest(0, [1, 2, 3], 2, mode, 8, 0, False, SlotRecord())
+    proposal = spec.propose([request], 1)[0]
+    assert len(proposal.tokens) == 8 and proposal.choice.drafter == (SUFFIX if mode is SpecMode.NGRAM else DRAFT_MODEL)

@@ -49,6 +49,9 @@ def make_engine() -> Iterator[EngineFactory]:
         # finds that drafting rarely pays).
         kwargs.setdefault("adaptive_draft", False)
         kwargs.setdefault("record_shapes", True)
+        # Without the prefix cache: a repeated request would reuse its own memory, computed in
+        # other batch shapes (test_prefix_cache.py covers the cache).
+        kwargs.setdefault("prefix_cache_mb", 0)
         engine = Engine(EngineConfig(model=model, threads=2, ctx=kwargs.pop("ctx", 512), **kwargs))  # type: ignore[arg-type]
         engines.append(engine)
         return engine
@@ -513,7 +516,7 @@ def test_cli_json_matches_the_engine(tiny_lfm2: Path, tiny_lfm2_q8: Path, make_e
     out = json.loads(proc.stdout)
     assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
     assert set(out["stats"]) == {"prompt_tokens", "completion_tokens", "drafted", "accepted", "verify_steps",
-                                 "rollbacks", "replayed_tokens", "accepted_by_position", "ttft_ms",
+                                 "rollbacks", "replayed_tokens", "cached_tokens", "accepted_by_position", "ttft_ms",
                                  "tokens_per_second"}
     engine = make_engine(tiny_lfm2)
     reference = engine.generate(GenerationRequest(text="Hello there, general", max_tokens=24, ignore_eos=True,

@@ -65,7 +65,7 @@ def test_a_moved_cell_restores_another_sequences_snapshot(tiny_lfm2: Path) -> No
         for seq in (1, 0, 2, 3):  # each alone: sequence 0 lands in cell 1
             run.decode([(seq, 12)])
         seqs = run.decode(layout)
-        assert safe_rollbacks(seqs, 512, RING)[0] == (0 if name == "drafted first" else RING)
+        assert safe_rollbacks(ubatches(seqs, 512, RING), RING)[0] == (0 if name == "drafted first" else RING)
         run.roll_back(0, 3)
         run.decode([(s, 1) for s in range(4)])
         errors[name] = _error_after(model, run.history[0], run.ctx.logits(0))
@@ -78,7 +78,7 @@ def test_whole_decode_and_late_rollbacks_are_unsafe(tiny_lfm2: Path) -> None:
     """Removing every token of the last decode, or rolling back after a later decode, also
     restores planes that were never written (llama.cpp #26695, #22746): the rule forbids both."""
     model = N.Model(str(tiny_lfm2))
-    assert safe_rollbacks([0, 0, 0], 512, RING)[0] == 2  # never all 3 of them
+    assert safe_rollbacks(ubatches([0, 0, 0], 512, RING), RING)[0] == 2  # never all 3 of them
     run = _Run(model, 1, random.Random(3))
     run.decode([(0, 8)])
     run.decode([(0, 3)])
@@ -106,7 +106,7 @@ def test_rollbacks_the_rule_allows_are_exact(tiny_lfm2: Path) -> None:
         k = rng.randrange(1, RING + 1)
         layout = [(s, k + 1 if rng.random() < 0.5 else 1) for s in range(n_seq)]
         rng.shuffle(layout)
-        safe = safe_rollbacks(run.decode(layout), 512, RING)
+        safe = safe_rollbacks(ubatches(run.decode(layout), 512, RING), RING)
         rolled = {s: rng.randrange(1, n) for s, n in layout if n > 1}
         for seq, r in rolled.items():
             run.roll_back(seq, r)

@@ -29,6 +29,7 @@ _SPEC_FROM_PROTO: dict[int, SpecMode | None] = {
     pb2.SPEC_MODE_OFF: SpecMode.OFF,
     pb2.SPEC_MODE_DRAFT: SpecMode.DRAFT,
     pb2.SPEC_MODE_NGRAM: SpecMode.NGRAM,
+    pb2.SPEC_MODE_AUTO: SpecMode.AUTO,
 }
 _SPEC_TO_PROTO: dict[SpecMode, int] = {mode: value for value, mode in _SPEC_FROM_PROTO.items() if mode}
 
@@ -141,7 +142,8 @@ def result_from_proto(msg: Any) -> Result:
     s = msg.stats
     stats = Stats(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, drafted=s.drafted,
                   accepted=s.accepted, verify_steps=s.verify_steps, rollbacks=s.rollbacks,
-                  replayed_tokens=s.replayed_tokens, accepted_by_position=list(s.accepted_by_position),
+                  replayed_tokens=s.replayed_tokens, cached_tokens=s.cached_tokens,
+                  accepted_by_position=list(s.accepted_by_position),
                   ttft_ms=s.ttft_ms, tokens_per_second=s.tokens_per_second)
     if msg.finish_reason not in _FINISH_FROM_PROTO:
         raise ValueError(f"response without a finish reason ({msg.finish_reason})")

@@ -1,26 +1,37 @@
-"""How many tokens to draft next: speculate only while it is expected to pay.
+"""How many tokens to draft, and with which drafter: speculate only where it is expected to pay.
 
-Every drafted token costs a verified position, the draft model's time to propose it and,
-when it is rejected on a hybrid target, a replay; on a CPU that can cost more than the
-tokens it wins. ``StepCosts`` learns on this machine what a target decode costs (a fixed
-part, one pass over the weights, and a part per token), what drafting a token costs and
-what a replay costs. Each slot's ``DraftPolicy`` keeps its own estimate of the acceptance
-rate α and picks the draft length k that maximises expected tokens per second:
+Every drafted token costs a verified position in the target's decode, the drafter's time and,
+when a rejection forces a restore on a hybrid target, a rollback; on a CPU that can cost more
+than the tokens it wins. ``Costs`` knows what this machine pays (calibrated at start-up, then
+refined by every step): a pass over the weights, each more token in a decode, a draft-model
+token and a rollback. ``Acceptance`` knows, per drafter, how often a drafted token at each
+position was accepted given the ones before it, over every request so far (so a new request
+starts from experience, not optimism), and each slot blends that with its own record.
 
-    tokens(k) = (1 - α^(k+1)) / (1 - α)          the accepted drafts plus the target's own
-    cost(k)   = base + k (per_token + draft) + P(rejection) replay
+For a slot offered a draft whose tokens are accepted with chances a_1..a_K (in a row), drafting
+k of them yields on average
 
-k = 0 is plain decoding. When it wins, the slot still probes with one token now and then
-(every 8 steps, twice as rarely after each probe that failed) to notice predictable text.
-Until the costs are known it drafts while α^k stays above ``min_chance``.
+    gain(k) = sum_{i<=k} a_1 a_2 ... a_i         extra tokens this step
+
+and makes the step longer by
+
+    delay(k) = k per_token + k draft + (1 - a_1..a_k) rollback + (an extra weight pass when the
+               drafted tokens go in a ubatch of their own, as they do on a hybrid target)
+
+It pays when the tokens gained per second of delay beat the rate the step already produces
+(every busy slot's token per step time): ``best_length`` takes the k maximising
+gain(k) - rate x delay(k), and 0 when none is positive. So a drafter that is as slow as the
+target, or rarely right, is not used, and with many busy slots a verified token must be more
+likely to be accepted to be worth its place in the batch.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-_WEIGHT = 0.2  # of a new observation in the running estimates
+_WEIGHT = 0.2  # of a new measurement in the running cost estimates
+PRIOR_WEIGHT = 8.0  # a slot's own observations count against this many from earlier requests
+MAX_ACCEPTANCE = 0.98  # no estimate is ever certain
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -28,98 +39,185 @@ def _ema(old: float | None, new: float) -> float:
 
 
 @dataclass
-class StepCosts:
-    """Running estimates, in seconds, of what speculation costs on this machine (shared by
-    the slots of one engine; measured by the scheduler)."""
+class Costs:
+    """What speculation costs on this machine, in seconds (shared by an engine's slots)."""
 
-    base: float | None = None  # a target decode without drafts
-    per_token: float | None = None  # each more token in a target decode
-    draft: float | None = None  # proposing one draft token
-    replay: float | None = None  # a replay decode after a hybrid rollback
+    step: float | None = None  # a target decode of one token per busy slot, one weight pass
+    per_token: float = 0.0  # each more token in a decode
+    draft_token: float = 0.0  # a draft model's token (all slots drafting together share it)
+    rollback: float = 0.0  # restoring a checkpoint and replaying, on a hybrid target
 
-    def decoded(self, seconds: float, extra_tokens: int) -> None:
-        """A target decode that held ``extra_tokens`` draft tokens besides one per slot."""
-        if extra_tokens == 0:
-            self.base = _ema(self.base, seconds)
-        elif self.base is not None:
-            self.per_token = _ema(self.per_token, max(0.0, seconds - self.base) / extra_tokens)
+    def decoded(self, seconds: float, n_tokens: int, n_passes: int) -> None:
+        """A target decode of ``n_tokens`` in ``n_passes`` ubatches."""
+        if self.step is None or n_tokens <= n_passes:
+            self.step = _ema(self.step, seconds / max(1, n_passes))
+        else:
+            extra = seconds - n_passes * self.step
+            self.per_token = max(0.0, _ema(self.per_token, extra / (n_tokens - n_passes)))
 
     def drafted(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
-            self.draft = _ema(self.draft, seconds / tokens)
+            self.draft_token = _ema(self.draft_token or None, seconds / tokens)
 
-    def replayed(self, seconds: float) -> None:
-        self.replay = _ema(self.replay, seconds)
+    def rolled_back(self, seconds: float) -> None:
+        self.rollback = _ema(self.rollback or None, seconds)
 
     @property
     def known(self) -> bool:
-        return self.base is not None and self.base > 0
+        return self.step is not None and self.step > 0
 
 
 @dataclass
-class DraftPolicy:
-    draft_max: int
-    adaptive: bool = True
-    costs: StepCosts = field(default_factory=StepCosts)
-    min_chance: float = 0.4
-    decay: float = 0.7  # weight of the past in the acceptance estimate
-    probe_every: int = 8
-    # A mildly optimistic start: a new request drafts until evidence says otherwise.
-    _accepted: float = 1.5
-    _drafted: float = 2.0
-    _idle_steps: int = 0
-    _probing: bool = False
-    _failed_probes: int = 0
+class Acceptance:
+    """Per-position acceptance of one drafter over all requests: the chance that the token at
+    position i of a draft is accepted given the ones before it were."""
 
-    @property
-    def acceptance(self) -> float:
-        return self._accepted / self._drafted
+    accepted: list[float] = field(default_factory=list)
+    compared: list[float] = field(default_factory=list)
+    prior: float = 0.5  # before any observation (calibrated at start-up where possible)
 
-    def length(self) -> int:
-        """Tokens to draft this step (0: skip drafting)."""
-        if not self.adaptive or self.draft_max == 0:
-            return self.draft_max
-        k = self._best_length(self.acceptance)
-        if k > 0:
-            self._idle_steps = 0
-            return k
-        self._idle_steps += 1
-        if self._idle_steps >= self.probe_every << min(self._failed_probes, 4):
-            self._idle_steps = 0
-            self._probing = True
-            return 1
-        return 0
+    def rate(self, position: int) -> float:
+        if position < len(self.compared) and self.compared[position] >= 1.0:
+            return min(MAX_ACCEPTANCE, self.accepted[position] / self.compared[position])
+        return self.prior
 
-    def _best_length(self, alpha: float) -> int:
-        if alpha >= 1.0:
-            return self.draft_max
-        if alpha <= 0.0:
-            return 0
-        if not self.costs.known:
-            return min(self.draft_max, int(math.log(self.min_chance) / math.log(alpha)))
-        c = self.costs
-        assert c.base is not None
-        per_token = (c.per_token or 0.0) + (c.draft or 0.0)
-        replay = c.replay or 0.0
-        best_k, best_rate = 0, 1.0 / c.base
-        for k in range(1, self.draft_max + 1):
-            tokens = (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-            cost = c.base + k * per_token + (1.0 - alpha**k) * replay
-            if tokens / cost > best_rate:
-                best_k, best_rate = k, tokens / cost
-        return best_k
+    def update(self, drafted: int, accepted: int, decay: float = 0.995) -> None:
+        """One verification: tokens after the first rejection were never compared."""
+        for i in range(min(drafted, accepted + 1)):
+            while len(self.compared) <= i:
+                self.compared.append(0.0)
+                self.accepted.append(0.0)
+            self.compared[i] = decay * self.compared[i] + 1.0
+            self.accepted[i] = decay * self.accepted[i] + (1.0 if i < accepted else 0.0)
+
+
+@dataclass
+class SlotRecord:
+    """One slot's own acceptance, blended with its drafter's record over all requests."""
+
+    accepted: float = 0.0
+    compared: float = 0.0
+    idle_steps: int = 0
+    failed_probes: int = 0
+
+    def chances(self, global_rates: list[float], confidence: list[float] | None, calibration: float) -> list[float]:
+        """The chance each drafted token is accepted: the drafter's own confidence where it has
+        one (scaled by how well its confidence has predicted so far), else the global
+        per-position rate, pulled towards this slot's record."""
+        own = (self.accepted + PRIOR_WEIGHT * _mean(global_rates)) / (self.compared + PRIOR_WEIGHT)
+        shift = own / max(_mean(global_rates), 1e-6)
+        out = []
+        for i, rate in enumerate(global_rates):
+            base = confidence[i] * calibration if confidence is not None else rate * shift
+            out.append(min(MAX_ACCEPTANCE, max(0.0, base)))
+        return out
 
     def update(self, drafted: int, accepted: int) -> None:
-        """Record one verification."""
-        if drafted == 0:
+        if drafted:
+            self.accepted += accepted
+            self.compared += min(drafted, accepted + 1)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def expected_gain(chances: list[float]) -> list[float]:
+    """gain[k]: the expected accepted drafts when drafting the first k tokens (gain[0] = 0)."""
+    gain, run = [0.0], 1.0
+    for a in chances:
+        run *= a
+        gain.append(gain[-1] + run)
+    return gain
+
+
+def best_length(chances: list[float], costs: Costs, *, rate: float, draft_model: bool, own_pass: bool,
+                rollback: bool) -> tuple[int, float]:
+    """The draft length (0..len(chances)) that maximises the expected tokens gained minus what
+    the longer step costs at ``rate`` tokens per second, and that value (0 for k = 0).
+    ``draft_model``: each token costs a draft-model step; ``own_pass``: drafting puts this slot
+    in an extra ubatch (a weight pass); ``rollback``: a rejection costs a restore and a replay."""
+    if not chances or not costs.known:
+        return 0, 0.0
+    assert costs.step is not None
+    best_k, best_value, gain, run = 0, 0.0, 0.0, 1.0
+    for k in range(1, len(chances) + 1):
+        run *= chances[k - 1]
+        gain += run
+        delay = k * (costs.per_token + (costs.draft_token if draft_model else 0.0))
+        delay += costs.step if own_pass else 0.0
+        delay += (1.0 - run) * costs.rollback if rollback else 0.0
+        value = gain - rate * delay
+        if value > best_value:
+            best_k, best_value = k, value
+    return best_k, best_value
+
+
+@dataclass
+class Choice:
+    """A slot's drafting this step: which drafter, how many tokens, what was expected."""
+
+    drafter: str
+    length: int
+    expected: float = 0.0  # expected accepted tokens
+    value: float = 0.0  # expected tokens gained less the delay's worth in tokens
+    probe: bool = False  # a one-token try of a drafter that stopped paying
+
+
+class SpeculationPolicy:
+    """The engine's speculation policy: its costs, every drafter's record, and the choice of
+    drafter and length per slot and step (``--spec auto``, and the adaptive length of a fixed mode)."""
+
+    PROBE_EVERY = 16  # steps between probes of a drafter that stopped paying (doubles per failure)
+    MAX_PROBE_WAIT = 512
+
+    def __init__(self, *, hybrid: bool, rollback_costs: bool) -> None:
+        self.costs = Costs()
+        self.hybrid = hybrid  # drafted tokens of several slots make an extra ubatch
+        self.rollback_costs = rollback_costs  # a rejection means restore + replay
+        self.acceptance: dict[str, Acceptance] = {}
+        self.calibration: dict[str, float] = {}  # observed / predicted acceptance, per drafter
+
+    def record(self, drafter: str) -> Acceptance:
+        return self.acceptance.setdefault(drafter, Acceptance())
+
+    def rate(self, n_generating: int) -> float:
+        """Tokens per second the busy slots produce without drafts."""
+        assert self.costs.step is not None
+        return n_generating / (self.costs.step + max(0, n_generating - 1) * self.costs.per_token)
+
+    def choose(self, slot: SlotRecord, drafter: str, max_len: int, n_generating: int, *,
+               confidence: list[float] | None = None, draft_model: bool = False) -> Choice:
+        """The best length for ``drafter`` on this slot (0: not worth it)."""
+        if max_len <= 0 or not self.costs.known:
+            return Choice(drafter, 0, 0.0)
+        record = self.record(drafter)
+        rates = [record.rate(i) for i in range(max_len)]
+        chances = slot.chances(rates, confidence[:max_len] if confidence is not None else None,
+                               self.calibration.get(drafter, 1.0))
+        k, value = best_length(chances, self.costs, rate=self.rate(n_generating), draft_model=draft_model,
+                               own_pass=self.hybrid and n_generating > 1, rollback=self.rollback_costs)
+        return Choice(drafter, k, expected_gain(chances)[k], value)
+
+    def probe(self, slot: SlotRecord) -> bool:
+        """Whether a slot that drafts nothing should try one token now (a drafter's worth can
+        change within a request; without probes its record would never learn it)."""
+        slot.idle_steps += 1
+        if slot.idle_steps >= min(self.PROBE_EVERY << slot.failed_probes, self.MAX_PROBE_WAIT):
+            slot.idle_steps = 0
+            return True
+        return False
+
+    def observe(self, slot: SlotRecord, choice: Choice, accepted: int) -> None:
+        """One verification of ``choice.length`` drafted tokens of which ``accepted`` were accepted."""
+        if choice.length == 0:
             return
-        # Tokens after the first rejected one say nothing about acceptance: they were
-        # never compared.
-        compared = min(drafted, accepted + 1)
-        self._accepted = self.decay * self._accepted + accepted
-        self._drafted = self.decay * self._drafted + compared
-        if accepted:
-            self._failed_probes = 0
-        elif self._probing:
-            self._failed_probes += 1
-        self._probing = False
+        self.record(choice.drafter).update(choice.length, accepted)
+        slot.update(choice.length, accepted)
+        if choice.expected > 0:
+            ratio = min(1.5, max(0.2, accepted / choice.expected))
+            self.calibration[choice.drafter] = _ema(self.calibration.get(choice.drafter), ratio)
+        if choice.probe:
+            slot.failed_probes = 0 if accepted else slot.failed_probes + 1
+        elif accepted:
+            slot.failed_probes = 0

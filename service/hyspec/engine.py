@@ -12,20 +12,24 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from hyspec import __version__
-from hyspec._native import Context, HyspecError, Model, Sampler, TemplateError
+from hyspec._native import Context, HyspecError, Model, Sampler, TemplateError, max_parallel_sequences
+from hyspec.draft_policy import SpeculationPolicy
 from hyspec.drafters import Drafter
 from hyspec.drafters.draft_model import DraftModelDrafter, check_same_vocab
 from hyspec.drafters.ngram import NgramDrafter
 from hyspec.gguf_header import read_keys
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
-from hyspec.rollback import SeqRollback, probe_rollback
+from hyspec.prefix_cache import PrefixCache
+from hyspec.rollback import RollbackMethod, SeqRollback, probe_rollback
 from hyspec.scheduler import Job, Scheduler
-from hyspec.types import ErrorCode, FinishReason, GenerationRequest, RequestError, Result, SpecMode
+from hyspec.speculation import Speculator, calibrate
+from hyspec.types import ErrorCode, FinishReason, GenerationRequest, RequestError, Result, SamplingParams, SpecMode
 
 log = logging.getLogger("hyspec.engine")
 
@@ -38,7 +42,7 @@ MAX_RS_SNAPSHOTS = 16
 class EngineConfig:
     model: Path
     draft: Path | None = None
-    spec: SpecMode | None = None  # None: draft when a draft model is given, else n-gram
+    spec: SpecMode | None = None  # None: auto
     draft_min: int = 0
     draft_max: int = 8
     adaptive_draft: bool = True  # shorten or pause drafting while drafts are rejected
@@ -50,6 +54,8 @@ class EngineConfig:
     threads: int = 0  # 0: every core
     batch: int = 512
     max_queue: int = 64
+    # Memory of finished requests kept for reuse (prefix_cache.py); 0 turns the cache off.
+    prefix_cache_mb: int = 256
     # Layers offloaded to a GPU (-1: all); only a GPU build of llama.cpp uses them.
     gpu_layers: int = 0
     draft_gpu_layers: int = 0
@@ -67,6 +73,22 @@ def _load(path: Path, gpu_layers: int, progress: bool) -> Model:
             bar.update(round(fraction * 100) - bar.n)
 
         return Model(str(path), n_gpu_layers=gpu_layers, progress=update)
+
+
+def _kv_bytes_per_token(model: Model) -> int:
+    """Bytes of attention memory (F16 keys and values) one token takes, from the GGUF header."""
+    arch = model.arch
+    keys = {f"{arch}.{k}" for k in ("block_count", "embedding_length", "attention.head_count",
+                                     "attention.head_count_kv", "attention.key_length", "attention.value_length")}
+    meta = {k.split(".", 1)[1]: v for k, v in read_keys(model.path, keys).items()}
+    n_layer = int(meta.get("block_count", model.n_layer))
+    heads = int(meta.get("attention.head_count", 1) or 1)
+    head_dim = int(meta.get("embedding_length", model.n_embd)) // heads
+    kv = meta.get("attention.head_count_kv", heads)
+    per_layer = kv if isinstance(kv, list) else [kv] * n_layer
+    k_len = int(meta.get("attention.key_length", head_dim))
+    v_len = int(meta.get("attention.value_length", head_dim))
+    return sum(int(h) for h in per_layer) * (k_len + v_len) * 2
 
 
 def _check_layer_kinds(model: Model) -> None:
@@ -99,6 +121,10 @@ class Engine:
             raise ValueError(f"rs-snapshots must be between 0 and {MAX_RS_SNAPSHOTS}")
         self.config = config
         self._accepting = True
+        self._live: set[RequestHandle] = set()  # submitted, not yet ended (for the queue bound)
+        # Set when the worker thread died; on_failure(exc) is then called from that thread.
+        self.failure: BaseException | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None
         self._lock = threading.Lock()
         # Everything that computes with llama.cpp runs on the worker thread: a second thread
         # decoding even once leaves a second OpenMP thread pool behind, and the two slow every
@@ -114,7 +140,10 @@ class Engine:
                 return
             finally:
                 ready.set()
-            self.scheduler.run()
+            try:
+                self.scheduler.run()
+            except BaseException as e:  # the worker is gone: every request fails, new ones are refused
+                self._died(e)
 
         self._thread = threading.Thread(target=work, name="hyspec-worker", daemon=True)
         self._thread.start()
@@ -151,9 +180,14 @@ class Engine:
             # llama.cpp keeps a sequence's last ring + 1 tokens in one ubatch and aborts otherwise.
             raise ValueError(f"--batch {config.batch} is too small for {ring} recurrent-state snapshots: it must "
                              f"be at least {ring + 2} (or lower --rs-snapshots)")
-        self.ctx = Context(self.model, n_ctx=config.ctx * config.slots, n_batch=config.batch,
-                           n_ubatch=config.batch, n_seq_max=config.slots, n_threads=threads, kv_unified=True,
-                           n_rs_seq=ring)
+        kv_per_token = _kv_bytes_per_token(self.model)
+        budget = config.prefix_cache_mb << 20
+        # The cache's cells come on top of the slots' (at most twice theirs), with ids of its own.
+        cache_cells = min(budget // max(1, kv_per_token), 2 * config.ctx * config.slots) if budget else 0
+        cache_seqs = min(max(4, 2 * config.slots), max_parallel_sequences() - config.slots) if cache_cells else 0
+        self.ctx = Context(self.model, n_ctx=config.ctx * config.slots + cache_cells, n_batch=config.batch,
+                           n_ubatch=config.batch, n_seq_max=config.slots + cache_seqs, n_threads=threads,
+                           kv_unified=True, n_rs_seq=ring)
         self.n_ctx_seq = config.ctx
         self.rollback_method = probe_rollback(self.ctx)
         drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter()}
@@ -162,27 +196,56 @@ class Engine:
                 self.draft_model, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,
                 n_threads=threads)
         drafters.update(drafter_overrides)
-        self.default_spec = config.spec or (SpecMode.DRAFT if SpecMode.DRAFT in drafters else SpecMode.NGRAM)
-        if self.default_spec not in drafters and self.default_spec is not SpecMode.OFF:
+        rollback = SeqRollback(self.ctx, self.rollback_method)
+        policy = SpeculationPolicy(hybrid=recurrent, rollback_costs=self.rollback_method is RollbackMethod.CHECKPOINT)
+        self.speculator = Speculator(drafters, policy)
+        self.default_spec = config.spec or SpecMode.AUTO
+        if self.default_spec not in self.speculator.modes:
             raise ValueError("--spec draft needs a draft model (--draft PATH)")
-        self.scheduler = Scheduler(target=self.ctx, rollback=SeqRollback(self.ctx, self.rollback_method),
-                                   drafters=drafters, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq,
-                                   n_batch=config.batch, ring=self.ctx.n_rs_seq,
-                                   record_shapes=config.record_shapes)
+        # Costs measured before the first request, so that no request pays for learning them.
+        calibrate(self.ctx, policy, rollback, self._calibration_prompt(), drafters.get(SpecMode.DRAFT))
+        self.cache = PrefixCache(self.ctx, cache_seqs=list(range(config.slots, config.slots + cache_seqs)),
+                                 budget=budget, kv_bytes_per_token=kv_per_token,
+                                 recurrent=recurrent) if cache_seqs else None
+        self.scheduler = Scheduler(target=self.ctx, rollback=rollback, speculator=self.speculator,
+                                   n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,
+                                   ring=self.ctx.n_rs_seq, record_shapes=config.record_shapes, cache=self.cache,
+                                   n_cells=self.ctx.n_ctx)
+
+    def _calibration_prompt(self) -> list[int]:
+        text = "The history of the printing press begins long before Gutenberg. Wooden blocks were carved"
+        tokens = self.model.tokenize(text, add_special=True, parse_special=False)
+        return tokens[: max(2, min(len(tokens), self.config.batch - 9, self.n_ctx_seq - 32))]
 
     # -- requests --------------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Validate and queue a request. Raises RequestError (never blocks on the worker)."""
         with self._lock:
+            if self.failure is not None:
+                raise RequestError(ErrorCode.UNAVAILABLE, "the engine stopped after an internal error")
             if not self._accepting:
                 raise RequestError(ErrorCode.UNAVAILABLE, "the server is shutting down")
-            if self.scheduler.busy >= self.config.slots + self.config.max_queue:
+            # Cancelled requests do not count: their slots are freed at the worker's next step.
+            self._live = {h for h in self._live if not h.finished}
+            if sum(not h.cancelled for h in self._live) >= self.config.slots + self.config.max_queue:
                 raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
                                    f"the queue is full ({self.config.max_queue} waiting); retry later")
             job = self._job(request, RequestHandle(request.request_id, self.scheduler.cancel, loop))
             self.scheduler.submit(job)
+            self._live.add(job.handle)
         return job.handle
+
+    def _died(self, error: BaseException) -> None:
+        """The worker thread raised outside a decode step: fail every request with INTERNAL,
+        refuse new ones, tell on_failure (the server then stops, so a supervisor restarts it)."""
+        log.critical("the engine's worker thread failed; no request can run any more", exc_info=error)
+        with self._lock:
+            self.failure = error
+            self._accepting = False
+        self.scheduler.abort(RequestError(ErrorCode.INTERNAL, f"the engine failed: {error!r}"))
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     def generate(self, request: GenerationRequest) -> Result:
         """Run one request to the end (blocking)."""
@@ -199,7 +262,7 @@ class Engine:
         for token in request.stop_token_ids:
             self._check_token(token, "stop_token_ids")
         spec = request.spec.mode or self.default_spec
-        if spec is not SpecMode.OFF and spec not in self.scheduler.drafters:
+        if spec not in self.speculator.modes:
             raise RequestError(invalid, "speculation mode 'draft' needs a server started with a draft model")
         draft_min = self.config.draft_min if request.spec.draft_min is None else request.spec.draft_min
         draft_max = self.config.draft_max if request.spec.draft_max is None else request.spec.draft_max
@@ -209,10 +272,17 @@ class Engine:
         seed = s.seed if s.seed is not None else random.getrandbits(32)
         if not 0 <= seed < 2**32:
             raise RequestError(invalid, "seed must be in [0, 2^32)")
+        # llama.cpp keeps a ring of penalty_last_n tokens per request: bounded by the context (the
+        # default is always accepted, even with a smaller context).
+        most = max(self.n_ctx_seq, SamplingParams().penalty_last_n)
+        if not -1 <= s.penalty_last_n <= most:
+            raise RequestError(invalid, f"penalty_last_n must be between -1 (the whole context) and {most}, "
+                               f"got {s.penalty_last_n}")
+        last_n = self.n_ctx_seq if s.penalty_last_n == -1 else s.penalty_last_n
         try:
             sampler = Sampler(self.model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                               repeat_penalty=s.repeat_penalty, frequency_penalty=s.frequency_penalty,
-                              presence_penalty=s.presence_penalty, penalty_last_n=s.penalty_last_n, seed=seed)
+                              presence_penalty=s.presence_penalty, penalty_last_n=last_n, seed=seed)
         except (ValueError, TypeError) as e:
             raise RequestError(invalid, str(e)) from e
         output = OutputStream(self.model, max_tokens=request.max_tokens, stop=request.stop,
@@ -266,11 +336,12 @@ class Engine:
                     "is_recurrent": model.is_recurrent, "n_vocab": model.n_vocab, "n_ctx_train": model.n_ctx_train,
                     "gpu_layers": model.n_gpu_layers}
 
-        modes = [SpecMode.OFF.value] + [mode.value for mode in self.scheduler.drafters]
+        modes = [mode.value for mode in self.speculator.modes]
         return {"target": describe(self.model, self.config.model),
                 "draft": describe(self.draft_model, self.config.draft),
                 "ctx": self.n_ctx_seq, "slots": self.config.slots, "spec_modes": modes,
                 "default_spec": self.default_spec.value, "rollback": self.rollback_method.value,
+                "prefix_cache_mb": self.config.prefix_cache_mb if self.cache is not None else 0,
                 "version": __version__}
 
     def warmup(self) -> None:

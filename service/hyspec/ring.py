@@ -85,10 +85,9 @@ def ubatches(seq_ids: Sequence[int], n_ubatch: int, ring: int) -> list[list[tupl
         plan.append([(s, len(taken[s])) for s in members])
 
 
-def safe_rollbacks(seq_ids: Sequence[int], n_ubatch: int, ring: int) -> dict[int, int]:
-    """For each sequence of the batch, the most tokens a rollback right after decoding it may
-    remove and stay exact (0: none)."""
-    plan = ubatches(seq_ids, n_ubatch, ring)
+def safe_rollbacks(plan: list[list[tuple[int, int]]], ring: int) -> dict[int, int]:
+    """For each sequence of a decode split as ``plan`` (``ubatches``), the most tokens a
+    rollback right after it may remove and stay exact (0: none)."""
     safe: dict[int, int] = {}
     for u, ubatch in enumerate(plan):
         later_alone = all(len(later) == 1 for later in plan[u + 1:])

@@ -20,14 +20,25 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hyspec._native import Context, Model, Sampler
-from hyspec.draft_policy import DraftPolicy, StepCosts
-from hyspec.drafters import Drafter, DraftItem
+from hyspec.draft_policy import Choice, SlotRecord
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
 from hyspec.planner import Demand, plan
-from hyspec.ring import safe_rollbacks
+from hyspec.prefix_cache import PrefixCache
+from hyspec.ring import safe_rollbacks, ubatches
 from hyspec.rollback import Checkpoint, RollbackMethod, SeqRollback
-from hyspec.types import BatchShape, FinishReason, Result, SamplingParams, SpecMode, Stats, Trace
+from hyspec.speculation import DraftRequest, Proposal, Speculator
+from hyspec.types import (
+    BatchShape,
+    ErrorCode,
+    FinishReason,
+    RequestError,
+    Result,
+    SamplingParams,
+    SpecMode,
+    Stats,
+    Trace,
+)
 
 log = logging.getLogger("hyspec.scheduler")
 
@@ -58,8 +69,11 @@ class Slot:
     n_mem: int = 0
     generating: bool = False  # the prompt is in and the first token sampled
     checkpoint: Checkpoint | None = None
-    policy: DraftPolicy = field(default_factory=lambda: DraftPolicy(0))
+    record: SlotRecord = field(default_factory=SlotRecord)  # this request's acceptance, for the policy
     stats: Stats = field(default_factory=Stats)
+    # Recurrent state after the first n tokens, kept for the prefix cache (hybrid targets).
+    checkpoints: dict[int, bytes] = field(default_factory=dict)
+    ring_pending: bool = False  # a ring rollback waits for the next decode: the state is not readable
     t_prompt_done: float = 0.0
     trace: Trace | None = None  # recorded for hyspec.exactness (record_shapes)
 
@@ -74,6 +88,7 @@ class _Planned:
     tokens: list[int]  # fed tokens then draft
     n_feed: int
     draft: list[int]
+    choice: Choice | None = None  # who drafted and what was expected
     first_output: int = 0  # index of the slot's first output in the decode
 
 
@@ -82,23 +97,28 @@ class _Stop:
 
 
 class Scheduler:
-    def __init__(self, *, target: Context, rollback: SeqRollback, drafters: dict[SpecMode, Drafter],
+    def __init__(self, *, target: Context, rollback: SeqRollback, speculator: Speculator,
                  n_slots: int, n_ctx_seq: int, n_batch: int, ring: int = 0,
-                 record_shapes: bool = False) -> None:
+                 record_shapes: bool = False, cache: PrefixCache | None = None, n_cells: int = 0) -> None:
         self.ctx = target
         self.model: Model = target.model
         self.rollback = rollback
-        self.drafters = drafters
+        self.speculator = speculator
+        self.costs = speculator.policy.costs  # what decoding, drafting and rolling back take here
         self.n_ctx_seq = n_ctx_seq
         self.n_batch = n_batch
         self.ring = ring  # recurrent-state snapshots per sequence (0: no ring); bounds a rollback
-        self.costs = StepCosts()  # what decoding, drafting and replaying take here
+        # Recurrent memory: llama.cpp splits a decode into ubatches of equal tokens per sequence.
+        self.equal_split = rollback.method is not RollbackMethod.SEQ_RM
         self.inbox: queue.SimpleQueue[Job | RequestHandle | _Stop] = queue.SimpleQueue()
         self.waiting: deque[Job] = deque()
         self.free_seqs: list[int] = list(range(n_slots))  # a heap: the lowest free id first
         self.slots: dict[int, Slot] = {}
         self.record_shapes = record_shapes
         self._turn = 0  # rotates which slot the planner serves first
+        self._involved: list[Slot] | None = None  # the slots of the decode under way (None: all)
+        self.cache = cache
+        self.n_cells = n_cells  # KV cells of the context: slots and cache entries share them
 
     # -- commands, from any thread ---------------------------------------------------------
 
@@ -124,16 +144,34 @@ class Scheduler:
                 break
             self._admit()
             if self.slots:
+                self._involved = None
                 try:
                     self._step()
-                except Exception:
-                    log.exception("decode step failed; failing the running requests")
-                    for slot in list(self.slots.values()):
-                        self._finish(slot, FinishReason.CANCELLED)
+                except Exception as e:
+                    # Only the requests of the failed decode (all of them when it failed elsewhere)
+                    # end, with INTERNAL; the others go on. An error freeing them kills the worker.
+                    log.exception("a decode step failed; failing the requests in it")
+                    error = RequestError(ErrorCode.INTERNAL, f"decoding failed: {e}")
+                    for slot in self._involved if self._involved is not None else list(self.slots.values()):
+                        if self.slots.get(slot.seq) is slot:
+                            self._fail(slot, error)
         for slot in list(self.slots.values()):
             self._finish(slot, FinishReason.CANCELLED)
         while self.waiting:
             self._end_waiting(self.waiting.popleft())
+
+    def abort(self, error: RequestError) -> None:
+        """The worker is gone (called on its thread as it ends): fail every request it holds."""
+        handles = [slot.job.handle for slot in self.slots.values()] + [job.handle for job in self.waiting]
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Job):
+                handles.append(item.handle)
+        for handle in handles:
+            handle.fail(error)
 
     def _drain(self, block: bool) -> bool:
         """Take every command; False when asked to stop."""
@@ -173,11 +211,16 @@ class Scheduler:
         while self.waiting and self.free_seqs:
             job = self.waiting.popleft()
             seq = heapq.heappop(self.free_seqs)
-            policy = DraftPolicy(job.draft_max, job.adaptive, costs=self.costs)
-            slot = Slot(seq=seq, job=job, history=list(job.prompt), policy=policy,
-                        trace=Trace() if self.record_shapes else None)
+            slot = Slot(seq=seq, job=job, history=list(job.prompt), trace=Trace() if self.record_shapes else None)
             slot.stats.prompt_tokens = len(job.prompt)
             slot.stats.accepted_by_position = [0] * job.draft_max
+            if self.cache is not None:
+                cached, checkpoint = self.cache.attach(seq, job.prompt)
+                slot.n_mem = slot.stats.cached_tokens = cached
+                if checkpoint is not None:
+                    slot.checkpoints[cached] = checkpoint
+                if cached:
+                    self._record_chunk(slot, cached, cached)
             self.slots[seq] = slot
 
     def _finish(self, slot: Slot, reason: FinishReason) -> None:
@@ -194,12 +237,41 @@ class Scheduler:
         if trace is not None:
             trace = Trace(trace.prefill, trace.tokens[:len(job.output.token_ids)])
         job.handle.emit(Result(job.output.text, job.output.token_ids, reason, stats, trace))
+        if self.cache is not None:
+            self._keep(slot)
+        self._free(slot)
+
+    def _fail(self, slot: Slot, error: RequestError) -> None:
+        """End a request with an error instead of a Result (its decode failed)."""
+        slot.job.handle.fail(error)
+        self._free(slot)
+
+    def _free(self, slot: Slot) -> None:
         # Free everything the request held before its sequence id is reused.
         self.rollback.clear(slot.seq)
-        for drafter in self.drafters.values():
-            drafter.release(slot.seq)
+        self.speculator.release(slot.seq)
         del self.slots[slot.seq]
         heapq.heappush(self.free_seqs, slot.seq)
+
+    def _keep(self, slot: Slot) -> None:
+        """Hand what the slot's memory holds to the prefix cache."""
+        assert self.cache is not None
+        if self.cache.recurrent and not slot.ring_pending and slot.n_mem not in slot.checkpoints:
+            slot.checkpoints[slot.n_mem] = self.ctx.state_seq_get(slot.seq, partial=True)
+        self.cache.store(slot.seq, slot.history[:slot.n_mem], slot.checkpoints)
+
+    def _checkpoint_prefill(self, slot: Slot) -> None:
+        """A prompt chunk is in: keep the recurrent state here for the prefix cache."""
+        if self.cache is not None and self.cache.recurrent and self.cache.budget > 0:
+            slot.checkpoints[slot.n_mem] = self.ctx.state_seq_get(slot.seq, partial=True)
+
+    def _make_room(self, n_new: int) -> None:
+        """Cache entries give up their cells when running requests need them."""
+        if self.cache is None:
+            return
+        used = sum(s.n_mem for s in self.slots.values()) + self.cache.tokens + n_new
+        if used > self.n_cells:
+            self.cache.make_room(used - self.n_cells)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -208,21 +280,22 @@ class Scheduler:
             if slot.n_mem + len(slot.feed) > self.n_ctx_seq:
                 self._finish(slot, FinishReason.LENGTH)  # no room for the next token
         slots = {s.seq: s for s in self.slots.values()}
-        drafts = self._drafts([s for s in slots.values() if s.generating])
-        demands = [Demand(s.seq, len(s.feed), len(drafts.get(s.seq, [])), s.generating) for s in slots.values()]
-        # Recurrent memory makes llama.cpp split a batch into ubatches holding the same number of
-        # tokens of every sequence, one weight pass each: drafts of one length keep a step at
-        # most two passes (slots without a draft have one token).
-        grants = plan(demands, self.n_batch, start=self._turn,
-                      equal_drafts=self.rollback.method is not RollbackMethod.SEQ_RM)
+        proposals = self._drafts([s for s in slots.values() if s.generating])
+        demands = [Demand(s.seq, len(s.feed), len(proposals[s.seq].tokens) if s.seq in proposals else 0, s.generating)
+                   for s in slots.values()]
+        # Equal ubatch splits (recurrent memory) cost a weight pass per distinct draft length:
+        # drafts of one length keep a step at most two passes (slots without one have one token).
+        grants = plan(demands, self.n_batch, start=self._turn, equal_drafts=self.equal_split)
         self._turn += 1
         steps: list[_Planned] = []
         for grant in grants:
             slot = slots[grant.seq]
-            draft = drafts.get(slot.seq, [])[:grant.draft]
+            proposal = proposals.get(slot.seq)
+            draft = proposal.tokens[:grant.draft] if proposal is not None else []
             if len(draft) < slot.job.draft_min:
                 draft = []
-            steps.append(_Planned(slot, slot.feed[:grant.feed] + draft, grant.feed, draft))
+            steps.append(_Planned(slot, slot.feed[:grant.feed] + draft, grant.feed, draft,
+                                  proposal.choice if proposal is not None else None))
         if not steps:
             return
         if self.rollback.method is RollbackMethod.RING:
@@ -242,7 +315,8 @@ class Scheduler:
             else:
                 wants += [False] * (n - 1) + [p.n_feed == len(p.slot.feed)]
             n_outputs += wants[-n:].count(True)
-        safe = safe_rollbacks(seqs, self.n_batch, self.ring) if self.ring else {}
+        split = ubatches(seqs, self.n_batch, self.ring) if self.equal_split else None
+        safe = safe_rollbacks(split, self.ring) if split is not None and self.ring else {}
         for p in steps:
             if p.draft:
                 # A rejected draft is rolled back by the ring only where this decode's shape
@@ -250,11 +324,16 @@ class Scheduler:
                 unsafe = safe.get(p.slot.seq, 0) < len(p.draft)
                 p.slot.checkpoint = self.rollback.checkpoint(p.slot.seq, p.slot.n_mem, p.slot.checkpoint,
                                                              ring_unsafe=unsafe)
+        self._make_room(len(tokens))
         started = time.perf_counter()
+        self._involved = [p.slot for p in steps]
         self.ctx.decode(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
                         np.asarray(seqs, np.int32), np.asarray(wants, bool))
+        for p in steps:
+            p.slot.ring_pending = False
         if all(p.slot.generating for p in steps):
-            self.costs.decoded(time.perf_counter() - started, sum(len(p.draft) for p in steps))
+            passes = len(split) if split is not None else -(-len(tokens) // self.n_batch)
+            self.costs.decoded(time.perf_counter() - started, len(tokens), passes)
         argmax = self.ctx.argmax_all() if n_outputs else None
 
         total = len(tokens)
@@ -265,9 +344,11 @@ class Scheduler:
             elif p.n_feed < len(slot.feed):
                 self._record_chunk(slot, p.n_feed, total)
                 slot.n_mem += p.n_feed  # a prompt chunk; more to come
+                self._checkpoint_prefill(slot)
             else:
                 self._record_chunk(slot, p.n_feed, total)
                 slot.n_mem += p.n_feed
+                self._checkpoint_prefill(slot)
                 slot.generating = True
                 slot.t_prompt_done = time.perf_counter()
                 token = self._sample(slot, p.first_output, argmax)
@@ -289,28 +370,23 @@ class Scheduler:
             slot.n_mem += len(lost)
         if tokens:
             started = time.perf_counter()
+            self._involved = [slot for slot in slots if slot.seq in seqs]
             self.ctx.decode(tokens, positions, seqs, [False] * len(tokens))
-            self.costs.replayed(time.perf_counter() - started)
+            self.costs.rolled_back(time.perf_counter() - started)
 
-    def _drafts(self, generating: list[Slot]) -> dict[int, list[int]]:
-        by_drafter: dict[SpecMode, list[DraftItem]] = {}
+    def _drafts(self, generating: list[Slot]) -> dict[int, Proposal]:
+        requests = []
         for slot in generating:
             job = slot.job
             if job.spec is SpecMode.OFF or job.draft_max <= 0:
                 continue
             room = self.n_ctx_seq - slot.n_mem - len(slot.feed)
             left = job.output.remaining - 1  # the target always adds one token of its own
-            max_len = min(slot.policy.length(), room, left, self.ring or job.draft_max)
+            max_len = min(room, left, self.ring or job.draft_max, job.draft_max)
             if max_len >= max(1, job.draft_min):
-                by_drafter.setdefault(job.spec, []).append(DraftItem(slot.seq, slot.history, max_len))
-        drafts: dict[int, list[int]] = {}
-        for mode, items in by_drafter.items():
-            started = time.perf_counter()
-            proposed = self.drafters[mode].propose(items)
-            self.costs.drafted(time.perf_counter() - started, sum(len(d) for d in proposed))
-            for item, draft in zip(items, proposed, strict=True):
-                drafts[item.seq] = draft
-        return drafts
+                requests.append(DraftRequest(slot.seq, slot.history, len(job.prompt), job.spec, max_len,
+                                             job.draft_min, job.adaptive, slot.record))
+        return self.speculator.propose(requests, len(generating)) if requests else {}
 
     def _sample(self, slot: Slot, output: int, argmax: np.ndarray | None) -> int:
         job = slot.job
@@ -331,7 +407,8 @@ class Scheduler:
         accepted = len(emitted) - 1
         stats = slot.stats
         valid = slot.n_mem + p.n_feed + accepted  # memory entries that hold accepted tokens
-        slot.policy.update(len(draft), accepted)
+        if p.choice is not None:
+            self.speculator.verified(slot.record, p.choice, len(draft), accepted)
         if draft:
             stats.drafted += len(draft)
             stats.accepted += accepted
@@ -340,6 +417,7 @@ class Scheduler:
                 stats.accepted_by_position[i] += 1
         if accepted < len(draft):
             stats.rollbacks += 1
+            slot.ring_pending = self.rollback.method is RollbackMethod.RING and slot.checkpoint is None
             slot.n_mem = self.rollback.truncate(slot.seq, valid, slot.checkpoint)
             stats.replayed_tokens += valid - slot.n_mem
         else:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 class SpecMode(str, enum.Enum):
     OFF = "off"
+    AUTO = "auto"  # whichever configured drafter is expected to pay, step by step; none if none does
     DRAFT = "draft"
     NGRAM = "ngram"
 
@@ -93,6 +94,7 @@ class Stats:
     verify_steps: int = 0
     rollbacks: int = 0
     replayed_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of decoded
     accepted_by_position: list[int] = field(default_factory=list)
     ttft_ms: float = 0.0
     tokens_per_second: float = 0.0

@@ -9,16 +9,26 @@ from typing import Protocol
 @dataclass
 class DraftItem:
     """One slot asking for a draft: its sequence id, every token so far (prompt, accepted
-    output and the last sampled token, not yet in the target's memory) and the most tokens
-    the draft may have."""
+    output and the last sampled token, not yet in the target's memory), the most tokens the
+    draft may have, and how many of the history's tokens are the prompt."""
 
     seq: int
     history: list[int]
     max_len: int
+    n_prompt: int = 0
+
+
+@dataclass
+class Draft:
+    """Proposed tokens, and where the drafter can tell, for each the chance that the target
+    accepts it given that it accepted the ones before (the speculation policy's input)."""
+
+    tokens: list[int]
+    confidence: list[float] | None = None
 
 
 class Drafter(Protocol):
-    def propose(self, items: list[DraftItem]) -> list[list[int]]:
+    def propose(self, items: list[DraftItem]) -> list[Draft]:
         """One draft per item (possibly empty, at most max_len tokens), all slots at once."""
         ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hyspec._native import Context, Model
-from hyspec.drafters import DraftItem
+from hyspec.drafters import Draft, DraftItem
 from hyspec.rollback import Checkpoint, SeqRollback, probe_rollback
 
 
@@ -55,7 +55,7 @@ class DraftModelDrafter:
         self.rollback = SeqRollback(self.ctx, probe_rollback(self.ctx))
         self._seqs: dict[int, _SeqState] = {}
 
-    def propose(self, items: list[DraftItem]) -> list[list[int]]:
+    def propose(self, items: list[DraftItem]) -> list[Draft]:
         drafts: dict[int, list[int]] = {item.seq: [] for item in items}
         active = [item for item in items if item.max_len > 0]
         if active:
@@ -75,7 +75,7 @@ class DraftModelDrafter:
                 for seq, token in nxt.items():
                     self._seqs[seq].tokens.append(drafts[seq][-1])
                     drafts[seq].append(token)
-        return [drafts[item.seq] for item in items]
+        return [Draft(drafts[item.seq]) for item in items]
 
     def _sync(self, item: DraftItem) -> list[int]:
         """Roll the draft memory back to the longest prefix it shares with the history and

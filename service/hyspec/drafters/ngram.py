@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hyspec.drafters import DraftItem
+from hyspec.drafters import Draft, DraftItem
 
 NGRAM_MAX = 8
 NGRAM_MIN = 2
@@ -33,8 +33,8 @@ class NgramDrafter:
     def __init__(self) -> None:
         self._index: dict[int, _SeqIndex] = {}
 
-    def propose(self, items: list[DraftItem]) -> list[list[int]]:
-        return [self._draft(item) for item in items]
+    def propose(self, items: list[DraftItem]) -> list[Draft]:
+        return [Draft(self._draft(item)) for item in items]
 
     def _draft(self, item: DraftItem) -> list[int]:
         history = item.history

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from hyspec.drafters import DraftItem
+from hyspec.drafters import Draft, DraftItem
 
 
 class OracleDrafter:
@@ -52,8 +52,8 @@ class OracleDrafter:
                     best = prompt
         return best
 
-    def propose(self, items: list[DraftItem]) -> list[list[int]]:
-        return [self._draft(item) for item in items]
+    def propose(self, items: list[DraftItem]) -> list[Draft]:
+        return [Draft(self._draft(item)) for item in items]
 
     def _draft(self, item: DraftItem) -> list[int]:
         if item.seq not in self._prompt_of:

@@ -1,0 +1,181 @@
+"""Which drafter proposes how many tokens for each slot, every step.
+
+``--spec auto`` chains the drafters an engine has: the suffix drafter first (its proposals
+cost next to nothing and carry a confidence from how often each continuation followed the
+match), the draft model where that is worth more, and nothing where neither is expected to
+pay (draft_policy.py weighs expected tokens against measured costs). ``ngram`` and ``draft``
+use one drafter, with the same adaptive length unless the request asks for fixed drafts.
+``calibrate`` measures the costs at start-up, before the first request, so that the first
+request is not the one that pays for learning them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyspec._native import Context
+from hyspec.draft_policy import Choice, SlotRecord, SpeculationPolicy
+from hyspec.drafters import Draft, Drafter, DraftItem
+from hyspec.rollback import SeqRollback
+from hyspec.types import SpecMode
+
+SUFFIX = "suffix"
+DRAFT_MODEL = "draft"
+
+
+@dataclass
+class DraftRequest:
+    """One generating slot that may draft this step."""
+
+    seq: int
+    history: list[int]
+    n_prompt: int
+    mode: SpecMode
+    max_len: int  # bounded by the context, max_tokens, the snapshot ring and draft_max
+    draft_min: int
+    adaptive: bool
+    record: SlotRecord
+
+
+@dataclass
+class Proposal:
+    choice: Choice
+    tokens: list[int]
+
+
+class Speculator:
+    def __init__(self, drafters: dict[SpecMode, Drafter], policy: SpeculationPolicy) -> None:
+        self.suffix = drafters.get(SpecMode.NGRAM)
+        self.model = drafters.get(SpecMode.DRAFT)
+        self.policy = policy
+
+    @property
+    def modes(self) -> list[SpecMode]:
+        """The modes a request may ask for."""
+        modes = [SpecMode.OFF, SpecMode.AUTO]
+        if self.suffix is not None:
+            modes.append(SpecMode.NGRAM)
+        if self.model is not None:
+            modes.append(SpecMode.DRAFT)
+        return modes
+
+    def propose(self, requests: list[DraftRequest], n_generating: int) -> dict[int, Proposal]:
+        """Each slot's draft for this step (slots left out draft nothing)."""
+        suffix_drafts = self._suffix([r for r in requests if r.mode in (SpecMode.AUTO, SpecMode.NGRAM)])
+        proposals: dict[int, Proposal] = {}
+        model_wanted: list[tuple[DraftRequest, Choice]] = []
+        for r in requests:
+            options: list[tuple[Choice, list[int]]] = []
+            draft = suffix_drafts.get(r.seq)
+            if draft is not None and draft.tokens:
+                if r.adaptive:
+                    choice = self.policy.choose(r.record, SUFFIX, len(draft.tokens), n_generating,
+                                                confidence=draft.confidence)
+                else:
+                    choice = Choice(SUFFIX, len(draft.tokens), value=float("inf"))
+                options.append((choice, draft.tokens[:choice.length]))
+            if self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT):
+                if r.adaptive:
+                    choice = self.policy.choose(r.record, DRAFT_MODEL, r.max_len, n_generating, draft_model=True)
+                else:
+                    choice = Choice(DRAFT_MODEL, r.max_len, value=float("inf"))
+                options.append((choice, []))
+            best = max(options, key=lambda o: o[0].value, default=None)
+            if best is None or best[0].length < max(1, r.draft_min) or best[0].value <= 0:
+                # Nothing pays now; a drafter that stopped paying is tried now and then with one
+                # token, or its record could never learn that the text became predictable.
+                if self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1 \
+                        and self.policy.probe(r.record):
+                    model_wanted.append((r, Choice(DRAFT_MODEL, 1, probe=True)))
+                continue
+            r.record.idle_steps = 0
+            choice, tokens = best
+            if choice.drafter == DRAFT_MODEL:
+                model_wanted.append((r, choice))
+            else:
+                proposals[r.seq] = Proposal(choice, tokens)
+        proposals.update(self._model(model_wanted))
+        return proposals
+
+    def _suffix(self, requests: list[DraftRequest]) -> dict[int, Draft]:
+        if self.suffix is None or not requests:
+            return {}
+        items = [DraftItem(r.seq, r.history, r.max_len, r.n_prompt) for r in requests]
+        return {r.seq: d for r, d in zip(requests, self.suffix.propose(items), strict=True)}
+
+    def _model(self, wanted: list[tuple[DraftRequest, Choice]]) -> dict[int, Proposal]:
+        if self.model is None or not wanted:
+            return {}
+        items = [DraftItem(r.seq, r.history, c.length, r.n_prompt) for r, c in wanted]
+        started = time.perf_counter()
+        drafts = self.model.propose(items)
+        # The draft model drafts every slot's k-th token in one decode: a slot's own cost is the
+        # steps of the longest draft, whoever else drafts along.
+        self.policy.costs.drafted(time.perf_counter() - started, max(c.length for _, c in wanted))
+        return {r.seq: Proposal(Choice(c.drafter, len(d.tokens), c.expected, c.value, c.probe), d.tokens)
+                for (r, c), d in zip(wanted, drafts, strict=True)}
+
+    def verified(self, record: SlotRecord, choice: Choice, drafted: int, accepted: int) -> None:
+        """The target verified ``drafted`` of the proposal's tokens (the step may have had room
+        for fewer than proposed) and accepted ``accepted``."""
+        self.policy.observe(record, Choice(choice.drafter, drafted, choice.expected, choice.value, choice.probe),
+                            accepted)
+
+    def release(self, seq: int) -> None:
+        for drafter in (self.suffix, self.model):
+            if drafter is not None:
+                drafter.release(seq)
+
+
+def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, prompt: list[int],
+              model: Drafter | None) -> None:
+    """Measure what a decode, a verify, a draft-model token and a rollback cost here, on
+    sequence 0 of an idle context (cleared again), and how often the draft model agrees with
+    the target on a short greedy run from ``prompt``."""
+    costs = policy.costs
+    ctx.memory_clear()
+    try:
+        ctx.decode(prompt, range(len(prompt)), [0] * len(prompt), [False] * (len(prompt) - 1) + [True])
+        greedy = [int(ctx.argmax_all()[0])]
+        pos = len(prompt)
+        for _ in range(12):  # plain steps: a weight pass
+            started = time.perf_counter()
+            ctx.decode([greedy[-1]], [pos], [0], [True])
+            costs.decoded(time.perf_counter() - started, 1, 1)
+            greedy.append(int(ctx.argmax_all()[0]))
+            pos += 1
+        width = min(9, ctx.n_batch)
+        filler = greedy[-width:]
+        for _ in range(3):  # verifies, all but one token rejected: each more token, a rollback
+            checkpoint = rollback.checkpoint(0, pos, None, ring_unsafe=True)
+            started = time.perf_counter()
+            ctx.decode(filler, range(pos, pos + width), [0] * width, [True] * width)
+            costs.decoded(time.perf_counter() - started, width, 1)
+            started = time.perf_counter()
+            kept = rollback.truncate(0, pos + 1, checkpoint)
+            if kept <= pos:  # restored: replay the accepted token, as a hybrid target does
+                ctx.decode(filler[:pos + 1 - kept], range(kept, pos + 1), [0] * (pos + 1 - kept),
+                           [False] * (pos + 1 - kept))
+                costs.rolled_back(time.perf_counter() - started)
+            pos += 1
+    finally:
+        ctx.memory_clear()
+    if model is not None:
+        _calibrate_model(model, policy, prompt, greedy)
+
+
+def _calibrate_model(model: Drafter, policy: SpeculationPolicy, prompt: list[int], greedy: list[int]) -> None:
+    """The draft model's cost per token and its agreement with the target's greedy run, as the
+    prior of its acceptance record (on sequence 0 of its context, released again)."""
+    agreed = 0
+    for i in range(len(greedy) - 1):
+        started = time.perf_counter()
+        draft = model.propose([DraftItem(0, prompt + greedy[:i + 1], 1, len(prompt))])[0]
+        if i:  # the first call decodes the prompt
+            policy.costs.drafted(time.perf_counter() - started, 1)
+        agreed += int(bool(draft.tokens) and draft.tokens[0] == greedy[i + 1])
+    model.release(0)
+    policy.record(DRAFT_MODEL).prior = float(np.clip(agreed / max(1, len(greedy) - 1), 0.05, 0.95))

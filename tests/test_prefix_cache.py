@@ -1,0 +1,149 @@
+"""The prefix cache (prefix_cache.py): hits, partial hits, misses, eviction, sharing, branching
+conversations and cancels, each against a fresh engine without the cache, on a hybrid target
+(checkpoints of the recurrent state) and an attention target (cells trimmed anywhere)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from exactness import assert_plain
+from hyspec import _native as N
+from hyspec.engine import Engine, EngineConfig
+from hyspec.prefix_cache import PrefixCache
+from hyspec.types import FinishReason, GenerationRequest, Result, SpecMode, SpecParams
+
+BATCH = 16  # prompts prefill in chunks of 16: a hybrid target keeps a checkpoint every 16 tokens
+RNG = random.Random(11)
+P1 = [128000] + [RNG.randint(200, 30000) for _ in range(40)]
+
+Factory = Callable[..., Engine]
+
+
+@pytest.fixture(params=["tiny_lfm2", "tiny_llama"])
+def target(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Factory]:
+    engines: list[Engine] = []
+
+    def factory(model: Path, **kwargs: object) -> Engine:
+        config = {"threads": 2, "ctx": 512, "batch": BATCH, "adaptive_draft": False, "record_shapes": True, **kwargs}
+        engine = Engine(EngineConfig(model=model, **config))  # type: ignore[arg-type]
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.close(grace=0)
+
+
+def run(engine: Engine, prompt: list[int], n: int = 12, mode: SpecMode = SpecMode.OFF) -> Result:
+    return engine.generate(GenerationRequest(token_ids=prompt, max_tokens=n, ignore_eos=True,
+                                             spec=SpecParams(mode=mode)))
+
+
+def same_as_fresh(fresh: Engine, model: Path, prompt: list[int], got: Result, mode: SpecMode = SpecMode.OFF) -> None:
+    expected = run(fresh, prompt, len(got.token_ids), mode)
+    assert got.token_ids == expected.token_ids
+    assert_plain(model, prompt, got)
+
+
+def test_hit_partial_hit_and_miss(target: Path, make_engine: Factory) -> None:
+    engine, fresh = make_engine(target, slots=1), make_engine(target, slots=1, prefix_cache_mb=0)
+    assert fresh.cache is None and engine.cache is not None
+    first = run(engine, P1)
+    assert first.stats.cached_tokens == 0
+    # A next turn: the whole first prompt and its answer (but the last token) come from the cache.
+    turn = P1 + first.token_ids + [1000, 1001, 1002]
+    second = run(engine, turn)
+    assert second.stats.cached_tokens == len(P1) + len(first.token_ids) - 1
+    same_as_fresh(fresh, target, turn, second)
+    # A prompt sharing 37 tokens: all of them on attention, the checkpoint at 32 on a hybrid.
+    partial = P1[:37] + [2000, 2001, 2002, 2003]
+    third = run(engine, partial)
+    assert third.stats.cached_tokens == (32 if engine.model.is_hybrid else 37)
+    same_as_fresh(fresh, target, partial, third)
+    miss = run(engine, [128000, 5, 6, 7, 8, 9, 10])
+    assert miss.stats.cached_tokens == 0
+    assert engine.cache.stats.hits == 2 and engine.cache.stats.lookups == 4
+
+
+def test_speculation_on_a_cached_prefix_is_exact(target: Path, tiny_lfm2_q8: Path, tiny_llama_q8: Path,
+                                                 make_engine: Factory) -> None:
+    draft = tiny_lfm2_q8 if "lfm2" in target.name else tiny_llama_q8
+    engine = make_engine(target, slots=1, draft=draft, draft_max=4)
+    fresh = make_engine(target, slots=1, draft=draft, draft_max=4, prefix_cache_mb=0)
+    first = run(engine, P1, 16, SpecMode.DRAFT)
+    for mode in (SpecMode.DRAFT, SpecMode.NGRAM, SpecMode.AUTO):
+        prompt = P1 + first.token_ids + [3000 + list(SpecMode).index(mode)]
+        got = run(engine, prompt, 16, mode)
+        assert got.stats.cached_tokens > len(P1)
+        same_as_fresh(fresh, target, prompt, got, mode)
+
+
+def test_two_slots_share_a_cached_prefix_at_once(target: Path, make_engine: Factory) -> None:
+    engine, fresh = make_engine(target, slots=2), make_engine(target, slots=1, prefix_cache_mb=0)
+    run(engine, P1, 4)
+    prompts = [P1 + [4000, 4001], P1 + [5000, 5001, 5002]]
+    handles = [engine.submit(GenerationRequest(token_ids=p, max_tokens=16, ignore_eos=True)) for p in prompts]
+    for prompt, handle in zip(prompts, handles, strict=True):
+        result = handle.result()
+        assert result.stats.cached_tokens > 0
+        same_as_fresh(fresh, target, prompt, result)
+
+
+def test_a_conversation_that_branches(target: Path, make_engine: Factory) -> None:
+    engine, fresh = make_engine(target, slots=1), make_engine(target, slots=1, prefix_cache_mb=0)
+    turn1 = run(engine, P1)
+    history = P1 + turn1.token_ids + [6000, 6001]
+    turn2 = run(engine, history)
+    history += turn2.token_ids
+    for branch in ([7000, 7001, 7002], [8000, 8001]):
+        result = run(engine, history + branch)
+        assert result.stats.cached_tokens >= len(history) - 1
+        same_as_fresh(fresh, target, history + branch, result)
+
+
+def test_least_recently_used_entries_go_first(target: Path, make_engine: Factory) -> None:
+    engine = make_engine(target, slots=1)
+    assert engine.cache is not None
+    n_entries = len(engine.cache.free_seqs)
+    prompts = [[128000] + [RNG.randint(200, 30000) for _ in range(20)] for _ in range(n_entries + 1)]
+    for prompt in prompts:
+        run(engine, prompt, 4)
+    assert len(engine.cache.entries) == n_entries
+    assert run(engine, prompts[0] + [9000], 4).stats.cached_tokens == 0  # the oldest was evicted
+    assert run(engine, prompts[-1] + [9000], 4).stats.cached_tokens > 0
+
+
+def test_cancel_during_a_prefill_that_started_from_the_cache(target: Path, make_engine: Factory) -> None:
+    engine, fresh = make_engine(target, slots=1), make_engine(target, slots=1, prefix_cache_mb=0)
+    first = run(engine, P1)
+    long = P1 + first.token_ids + [RNG.randint(200, 30000) for _ in range(300)]
+    handle = engine.submit(GenerationRequest(token_ids=long, max_tokens=8, ignore_eos=True))
+    handle.cancel()
+    assert handle.result().finish_reason is FinishReason.CANCELLED
+    again = run(engine, long, 8)
+    same_as_fresh(fresh, target, long, again)
+    other = P1 + first.token_ids + [12345]
+    same_as_fresh(fresh, target, other, run(engine, other, 8))
+
+
+def test_the_byte_budget_bounds_entries(tiny_llama: Path) -> None:
+    ctx = N.Context(N.Model(str(tiny_llama)), n_ctx=1024, n_batch=64, n_ubatch=64, n_seq_max=4, n_threads=2,
+                    kv_unified=True)
+    cache = PrefixCache(ctx, cache_seqs=[1, 2, 3], budget=1000, kv_bytes_per_token=10, recurrent=False)
+    for k in range(5):
+        tokens = [128000] + [300 + 40 * k + i for i in range(39)]
+        ctx.decode(tokens, range(40), [0] * 40, [False] * 40)
+        cache.store(0, tokens, {})
+        ctx.memory_seq_rm(0, -1, -1)
+        assert cache.nbytes <= 1000
+    assert len(cache.entries) == 2  # 400 bytes each: a third would pass the budget
+    cache.store(0, list(range(200)), {})  # 2000 bytes: more than the whole budget, never kept
+    assert [len(e.tokens) for e in cache.entries] == [40, 40]
