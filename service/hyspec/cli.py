@@ -131,7 +131,7 @@ def build_parser() -> EnvParser:
                     help="train the bundled LFM2 target and draft on the KJV Bible (needs the train extra)")
     tr.flag(tr, "--out", type=Path, required=True, help="directory for the two GGUF files and manifest.json")
     tr.flag(tr, "--recipe", default="full", choices=["full", "quick"],
-            help="full: the bundled pair (~35 min on 2 cores); quick: toy shapes, seconds")
+            help="full: the bundled pair (30-55 min on 2 cores, docs/models.md); quick: toy shapes, seconds")
     tr.flag(tr, "--seed", type=int, default=0, help="seed of the weights and the data order")
     tr.flag(tr, "--threads", type=_positive, default=2, help="torch threads (same seed and threads: same files)")
     tr.flag(tr, "--type", default="q8_0", choices=["f32", "f16", "q8_0"], help="tensor type of the files")

@@ -52,8 +52,8 @@ class Recipe:
 
 # Target: 10 blocks, attention at 2, 5, 8 (LFM2's rhythm), 13.5M parameters. Draft: 4 blocks,
 # attention at 2, 2.5M parameters, about a fifth of the target's multiply-adds per token
-# (2.5M against 13.5M, the tied output layer included). Steps sized for ~20 + ~12 minutes
-# on 2 cores.
+# (2.5M against 13.5M, the tied output layer included). Steps sized for about half an hour
+# on 2 idle cores (docs/models.md: 52 minutes on shared ones).
 FULL = Recipe(
     name="full",
     seq_len=512,
