@@ -16,29 +16,44 @@ namespace {
 
 using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-std::vector<int64_t> to_int_vector(const py::object & obj, const char * name) {
-    IntArray arr;
+// obj as a 1-D numpy array whose dtype kind is one of `kinds` ('i' signed, 'u' unsigned, 'b' bool);
+// an empty sequence passes whatever its dtype (numpy makes [] float64). Anything else (floats,
+// which a cast would silently truncate, strings, 2-D arrays) is an InvalidArgumentError.
+py::array checked_array(const py::object & obj, const char * name, const char * kinds, const char * what) {
+    py::array arr;
     try {
-        arr = IntArray::ensure(obj);
+        arr = py::array::ensure(obj);
     } catch (py::error_already_set &) {
-        arr = IntArray();
+        arr = py::array();
     }
-    if (!arr || arr.ndim() != 1) {
-        throw InvalidArgumentError(std::string(name) + " must be a 1-D sequence of integers");
+    const std::string message = std::string(name) + " must be a 1-D sequence of " + what;
+    if (!arr || arr.ndim() != 1) throw InvalidArgumentError(message);
+    if (arr.size() > 0 && std::strchr(kinds, arr.dtype().kind()) == nullptr) {
+        throw InvalidArgumentError(message + " (got dtype " + py::str(arr.dtype()).cast<std::string>() + ")");
     }
+    return arr;
+}
+
+std::vector<int64_t> to_int_vector(const py::object & obj, const char * name) {
+    IntArray arr = IntArray::ensure(checked_array(obj, name, "iu", "integers"));
+    if (!arr) throw InvalidArgumentError(std::string(name) + " must be a 1-D sequence of integers");
     return std::vector<int64_t>(arr.data(), arr.data() + arr.size());
 }
 
 std::vector<bool> to_bool_vector(const py::object & obj, const char * name) {
     using BoolArray = py::array_t<bool, py::array::c_style | py::array::forcecast>;
-    BoolArray arr;
-    try {
-        arr = BoolArray::ensure(obj);
-    } catch (py::error_already_set &) {
-        arr = BoolArray();
-    }
-    if (!arr || arr.ndim() != 1) throw InvalidArgumentError(std::string(name) + " must be a 1-D sequence of bools");
+    BoolArray arr = BoolArray::ensure(checked_array(obj, name, "biu", "bools"));
+    if (!arr) throw InvalidArgumentError(std::string(name) + " must be a 1-D sequence of bools");
     return std::vector<bool>(arr.data(), arr.data() + arr.size());
+}
+
+// A position for llama.cpp (int32): -1 or below means "open end", as llama.cpp reads it.
+llama_pos to_pos(int64_t p, const char * name) {
+    if (p < -1 || p > INT32_MAX) {
+        throw InvalidArgumentError(std::string(name) + "=" + std::to_string(p) + " is outside [-1, " +
+                                   std::to_string(INT32_MAX) + "] (-1: open end)");
+    }
+    return static_cast<llama_pos>(p);
 }
 
 // A llama_batch freed on scope exit.
@@ -217,11 +232,21 @@ py::array_t<float> Context::logits_all() {
     Guard guard(*this);
     const size_t n = output_batch_index_.size();
     py::array_t<float> out({n, static_cast<size_t>(n_vocab_)});
-    for (size_t k = 0; k < n; ++k) {
-        const float * src = llama_get_logits_ith(ctx_, output_batch_index_[k]);
-        if (!src) throw Error("llama.cpp has no logits for output " + std::to_string(k));
-        std::memcpy(out.mutable_data(k, 0), src, sizeof(float) * n_vocab_);
+    float * dst = out.mutable_data();
+    bool missing = false;
+    size_t k = 0;
+    {
+        py::gil_scoped_release release;  // n_outputs x n_vocab floats (Gemma: 262k per output)
+        for (; k < n; ++k) {
+            const float * src = llama_get_logits_ith(ctx_, output_batch_index_[k]);
+            if (!src) {
+                missing = true;
+                break;
+            }
+            std::memcpy(dst + k * n_vocab_, src, sizeof(float) * n_vocab_);
+        }
     }
+    if (missing) throw Error("llama.cpp has no logits for output " + std::to_string(k));
     return out;
 }
 
@@ -229,11 +254,21 @@ py::array_t<int32_t> Context::argmax_all() {
     Guard guard(*this);
     const size_t n = output_batch_index_.size();
     py::array_t<int32_t> out(n);
-    for (size_t k = 0; k < n; ++k) {
-        const float * src = llama_get_logits_ith(ctx_, output_batch_index_[k]);
-        if (!src) throw Error("llama.cpp has no logits for output " + std::to_string(k));
-        out.mutable_data()[k] = static_cast<int32_t>(std::max_element(src, src + n_vocab_) - src);
+    int32_t * dst = out.mutable_data();
+    bool missing = false;
+    size_t k = 0;
+    {
+        py::gil_scoped_release release;
+        for (; k < n; ++k) {
+            const float * src = llama_get_logits_ith(ctx_, output_batch_index_[k]);
+            if (!src) {
+                missing = true;
+                break;
+            }
+            dst[k] = static_cast<int32_t>(std::max_element(src, src + n_vocab_) - src);
+        }
     }
+    if (missing) throw Error("llama.cpp has no logits for output " + std::to_string(k));
     return out;
 }
 
@@ -271,6 +306,11 @@ void Context::state_seq_set(int64_t seq, const py::buffer & data, bool partial) 
     check_seq(seq);
     const py::buffer_info info = data.request();
     if (info.ndim != 1 || info.itemsize != 1) throw InvalidArgumentError("state data must be bytes");
+    if (info.size > 1 && info.strides[0] != 1) {
+        // A strided or reversed view: llama.cpp reads size bytes forward from ptr.
+        throw InvalidArgumentError("state data must be contiguous bytes (got a view with stride " +
+                                   std::to_string(info.strides[0]) + "); pass bytes(view)");
+    }
     const size_t size = static_cast<size_t>(info.size);
     if (size == 0) throw StateError("empty state data: pass what state_seq_get returned");
     const llama_state_seq_flags flags = partial ? LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY : LLAMA_STATE_SEQ_FLAGS_NONE;
@@ -295,16 +335,17 @@ void Context::state_seq_set(int64_t seq, const py::buffer & data, bool partial) 
 bool Context::memory_seq_rm(int64_t seq, int64_t p0, int64_t p1) {
     Guard guard(*this);
     check_seq(seq, true);
-    return llama_memory_seq_rm(llama_get_memory(ctx_), static_cast<llama_seq_id>(seq), static_cast<llama_pos>(p0),
-                               static_cast<llama_pos>(p1));
+    const llama_pos from = to_pos(p0, "p0"), to = to_pos(p1, "p1");
+    return llama_memory_seq_rm(llama_get_memory(ctx_), static_cast<llama_seq_id>(seq), from, to);
 }
 
 void Context::memory_seq_cp(int64_t src, int64_t dst, int64_t p0, int64_t p1) {
     Guard guard(*this);
     check_seq(src);
     check_seq(dst);
-    llama_memory_seq_cp(llama_get_memory(ctx_), static_cast<llama_seq_id>(src), static_cast<llama_seq_id>(dst),
-                        static_cast<llama_pos>(p0), static_cast<llama_pos>(p1));
+    const llama_pos from = to_pos(p0, "p0"), to = to_pos(p1, "p1");
+    llama_memory_seq_cp(llama_get_memory(ctx_), static_cast<llama_seq_id>(src), static_cast<llama_seq_id>(dst), from,
+                        to);
 }
 
 void Context::memory_seq_keep(int64_t seq) {
@@ -336,8 +377,8 @@ void bind_context(py::module_ & m) {
 A llama.cpp context: the memory (KV cache and recurrent state) of up to n_seq_max sequences.
 
 Owns its llama_context and keeps its Model's weights alive. One thread at a time: a call that
-enters while another thread is inside raises ConcurrentUseError. decode and the state copies
-release the GIL. Every method raises ClosedError after close().
+enters while another thread is inside raises ConcurrentUseError. decode, logits_all, argmax_all
+and the state copies release the GIL. Every method raises ClosedError after close().
 )doc")
         .def(py::init<const Model &, uint32_t, uint32_t, uint32_t, uint32_t, int32_t, uint32_t, bool>(),
              py::arg("model"), py::kw_only(), py::arg("n_ctx") = 4096, py::arg("n_batch") = 512,
@@ -345,7 +386,9 @@ release the GIL. Every method raises ClosedError after close().
              py::arg("kv_unified") = false,
              "n_ctx is shared by the sequences (each gets n_ctx / n_seq_max unless kv_unified); n_threads 0 = all "
              "cores; n_rs_seq > 0 keeps that many recurrent-state snapshots per sequence (llama.cpp EXPERIMENTAL).")
-        .def_property_readonly("model", &Context::model)
+        .def_property_readonly("model", [](const Context & s) { return Model(s.model()); },
+                               "A new Model object sharing this context's weights: closing it leaves the context "
+                               "(and its weights) alone.")
         .def_property_readonly("n_vocab", &Context::n_vocab)
         .def_property_readonly("n_ctx", [](Context & s) { return s.info(llama_n_ctx); })
         .def_property_readonly("n_ctx_seq", [](Context & s) { return s.info(llama_n_ctx_seq); },
@@ -383,7 +426,8 @@ copy: later decodes do not change it.
              "touched: trim it with memory_seq_rm. Raises StateError when it does not fit.")
         .def("memory_seq_rm", &Context::memory_seq_rm, py::arg("seq"), py::arg("p0") = -1, py::arg("p1") = -1,
              "Remove positions [p0, p1) of a sequence (-1: open end; seq -1: every sequence). False when the memory "
-             "cannot remove a partial range (recurrent state); removing a whole sequence always succeeds.")
+             "cannot remove a partial range (recurrent state); removing a whole sequence always succeeds. "
+             "Positions outside [-1, 2^31) are an InvalidArgumentError.")
         .def("memory_seq_cp", &Context::memory_seq_cp, py::arg("src"), py::arg("dst"), py::arg("p0") = -1,
              py::arg("p1") = -1)
         .def("memory_seq_keep", &Context::memory_seq_keep, py::arg("seq"))

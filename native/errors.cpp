@@ -25,6 +25,37 @@ int rank(int ggml_level) {
     }
 }
 
+// The Python log handler (a strong reference, touched only with the GIL held) and whether
+// one is set (read without the GIL, before deciding to take it).
+PyObject * g_handler = nullptr;
+std::atomic<bool> g_has_handler{false};
+
+bool python_usable() {
+    if (!Py_IsInitialized()) return false;
+#if PY_VERSION_HEX >= 0x030D0000
+    return !Py_IsFinalizing();
+#else
+    return !_Py_IsFinalizing();
+#endif
+}
+
+void to_python(int level, const std::string & message) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject * handler = g_handler;
+    if (handler) {
+        Py_INCREF(handler);
+        PyObject * text = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()), "replace");
+        PyObject * result = text ? PyObject_CallFunction(handler, "iO", level, text) : nullptr;
+        if (!result) PyErr_WriteUnraisable(handler);
+        Py_XDECREF(result);
+        Py_XDECREF(text);
+        Py_DECREF(handler);
+    }
+    PyGILState_Release(gil);
+}
+
+// llama.cpp logs a message in pieces (CONT continues the last one); a message is complete when
+// it ends with a newline.
 void log_hook(enum ggml_log_level level, const char * text, void * /*user_data*/) {
     if (level != GGML_LOG_LEVEL_CONT) {
         t_current_level = level;
@@ -36,9 +67,19 @@ void log_hook(enum ggml_log_level level, const char * text, void * /*user_data*/
         while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
         t_last_error = line;
     }
-    if (rank(t_current_level) >= g_threshold.load(std::memory_order_relaxed) && text) {
-        std::fputs(text, stderr);
+    if (t_current.empty() || t_current.back() != '\n') return;  // more pieces to come
+    std::string message;
+    message.swap(t_current);
+    const int r = rank(t_current_level);
+    if (r < g_threshold.load(std::memory_order_relaxed)) return;
+    if (g_has_handler.load(std::memory_order_acquire)) {
+        if (python_usable()) {
+            message.pop_back();
+            to_python(r, message);
+        }
+        return;
     }
+    std::fputs(message.c_str(), stderr);
 }
 
 // Python exception classes, created once at import.
@@ -71,6 +112,18 @@ void raise_decode(PyObject * cls, const DecodeError & e) {
 
 void install_log_hook() { llama_log_set(log_hook, nullptr); }
 void set_log_threshold(int level) { g_threshold.store(level); }
+
+void set_log_handler(const py::object & handler) {
+    PyObject * old = g_handler;
+    if (handler.is_none()) {
+        g_has_handler.store(false, std::memory_order_release);
+        g_handler = nullptr;
+    } else {
+        g_handler = handler.inc_ref().ptr();
+        g_has_handler.store(true, std::memory_order_release);
+    }
+    Py_XDECREF(old);
+}
 std::string last_log_error() { return t_last_error; }
 void clear_last_log_error() { t_last_error.clear(); }
 

@@ -38,11 +38,15 @@ struct TemplateError : Error { using Error::Error; };
 // llama_model_quantize failed.
 struct QuantizeError : Error { using Error::Error; };
 
-// Installs the llama.cpp/ggml log callback: messages at or above the threshold go to stderr,
-// and the last error line of the calling thread is kept for exception messages.
+// Installs the llama.cpp/ggml log callback: whole messages at or above the threshold go to the
+// Python handler set with set_log_handler (or to stderr without one), and the last error line
+// of the calling thread is kept for exception messages.
 void install_log_hook();
 // 0 debug, 1 info, 2 warn, 3 error, 4 none.
 void set_log_threshold(int level);
+// handler(level, message): level 0 debug .. 3 error; None goes back to stderr. Called with the
+// GIL taken, from whichever thread llama.cpp logs on; never during interpreter shutdown.
+void set_log_handler(const pybind11::object & handler);
 // The last error line llama.cpp logged on this thread since clear_last_log_error().
 std::string last_log_error();
 void clear_last_log_error();

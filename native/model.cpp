@@ -4,6 +4,7 @@
 
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -38,13 +39,24 @@ void check_gguf_file(const std::string & path) {
     }
 }
 
+// Bumped by cancel_loads(): a load whose epoch is older stops at its next progress step.
+std::atomic<uint64_t> g_load_epoch{0};
+
+struct LoadProgress {
+    uint64_t epoch;
+    py::object * callback;  // nullptr: none
+};
+
 bool on_progress(float fraction, void * user_data) {
-    py::gil_scoped_acquire gil;
-    auto * callback = static_cast<py::object *>(user_data);
-    try {
-        (*callback)(fraction);
-    } catch (py::error_already_set & e) {
-        e.discard_as_unraisable("hyspec._native.Model progress callback");
+    auto * state = static_cast<LoadProgress *>(user_data);
+    if (g_load_epoch.load() != state->epoch) return false;  // llama.cpp then abandons the load
+    if (state->callback) {
+        py::gil_scoped_acquire gil;
+        try {
+            (*state->callback)(fraction);
+        } catch (py::error_already_set & e) {
+            e.discard_as_unraisable("hyspec._native.Model progress callback");
+        }
     }
     return true;
 }
@@ -58,15 +70,17 @@ Model::Model(const std::string & path, int n_gpu_layers, bool use_mmap, bool voc
     params.n_gpu_layers = n_gpu_layers;
     if (!use_mmap) params.load_mode = LLAMA_LOAD_MODE_NONE;
     params.vocab_only = vocab_only;
-    if (!progress.is_none()) {
-        params.progress_callback = on_progress;
-        params.progress_callback_user_data = &progress;
-    }
+    LoadProgress state{g_load_epoch.load(), progress.is_none() ? nullptr : &progress};
+    params.progress_callback = on_progress;
+    params.progress_callback_user_data = &state;
     clear_last_log_error();
     llama_model * model = nullptr;
     {
         py::gil_scoped_release release;
         model = llama_model_load_from_file(path.c_str(), params);
+    }
+    if (!model && g_load_epoch.load() != state.epoch) {
+        throw ModelLoadError("loading '" + path + "' was cancelled (the server is shutting down)");
     }
     if (!model) {
         throw ModelLoadError(with_llama_reason("llama.cpp could not load '" + path + "': the file is corrupt, truncated "
@@ -112,34 +126,50 @@ py::dict Model::metadata() const {
 
 std::vector<llama_token> Model::tokenize(const std::string & text, bool add_special, bool parse_special) const {
     if (text.size() > static_cast<size_t>(INT32_MAX / 2)) throw InvalidArgumentError("text is too long to tokenize");
+    const std::shared_ptr<ModelHandle> keep = handle();  // Model.close() on another thread meanwhile is safe
+    const llama_vocab * v = llama_model_get_vocab(keep->ptr);
     std::vector<llama_token> tokens(text.size() + 2);
-    int32_t n = llama_tokenize(vocab(), text.data(), static_cast<int32_t>(text.size()), tokens.data(),
-                               static_cast<int32_t>(tokens.size()), add_special, parse_special);
-    if (n < 0) {
-        if (n == INT32_MIN) throw InvalidArgumentError("text is too long to tokenize");
-        tokens.resize(-n);
-        n = llama_tokenize(vocab(), text.data(), static_cast<int32_t>(text.size()), tokens.data(),
+    int32_t n;
+    {
+        py::gil_scoped_release release;
+        n = llama_tokenize(v, text.data(), static_cast<int32_t>(text.size()), tokens.data(),
                            static_cast<int32_t>(tokens.size()), add_special, parse_special);
+        if (n < 0 && n != INT32_MIN) {
+            tokens.resize(-n);
+            n = llama_tokenize(v, text.data(), static_cast<int32_t>(text.size()), tokens.data(),
+                               static_cast<int32_t>(tokens.size()), add_special, parse_special);
+        }
     }
+    if (n == INT32_MIN) throw InvalidArgumentError("text is too long to tokenize");
     if (n < 0) throw Error(with_llama_reason("tokenization failed"));
     tokens.resize(n);
     return tokens;
 }
 
-std::string Model::detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const {
+py::str Model::detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const {
     for (llama_token t : tokens) check_token(t);
+    if (tokens.size() > static_cast<size_t>(INT32_MAX / 16)) throw InvalidArgumentError("too many tokens to detokenize");
+    const std::shared_ptr<ModelHandle> keep = handle();
+    const llama_vocab * v = llama_model_get_vocab(keep->ptr);
     std::string text(tokens.size() * 8 + 16, '\0');
-    int32_t n = llama_detokenize(vocab(), tokens.data(), static_cast<int32_t>(tokens.size()), text.data(),
-                                 static_cast<int32_t>(text.size()), remove_special, unparse_special);
-    if (n < 0) {
-        text.resize(-n);
-        n = llama_detokenize(vocab(), tokens.data(), static_cast<int32_t>(tokens.size()), text.data(),
+    int32_t n;
+    {
+        py::gil_scoped_release release;
+        n = llama_detokenize(v, tokens.data(), static_cast<int32_t>(tokens.size()), text.data(),
                              static_cast<int32_t>(text.size()), remove_special, unparse_special);
+        if (n < 0 && n != INT32_MIN) {
+            text.resize(-n);
+            n = llama_detokenize(v, tokens.data(), static_cast<int32_t>(tokens.size()), text.data(),
+                                 static_cast<int32_t>(text.size()), remove_special, unparse_special);
+        }
     }
     if (n < 0) throw Error("detokenization failed");
-    text.resize(n);
-    return text;
+    PyObject * out = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(n), "replace");
+    if (!out) throw py::error_already_set();
+    return py::reinterpret_steal<py::str>(out);
 }
+
+void cancel_loads() { g_load_epoch.fetch_add(1); }
 
 py::bytes Model::token_to_piece(llama_token token, bool special) const {
     check_token(token);
@@ -271,11 +301,12 @@ after close(). Loading releases the GIL.
         .def("tokenize", &Model::tokenize, py::arg("text"), py::arg("add_special") = true,
              py::arg("parse_special") = false,
              "Text to token ids. add_special adds BOS/EOS as the model is configured; parse_special lets control "
-             "token text (e.g. '<start_of_turn>') become control tokens.")
+             "token text (e.g. '<start_of_turn>') become control tokens. Releases the GIL.")
         .def("detokenize", &Model::detokenize, py::arg("tokens"), py::arg("remove_special") = false,
              py::arg("unparse_special") = false,
-             "Token ids to text (invalid UTF-8 at the edges is kept as bytes llama.cpp produced, decoded "
-             "with 'replace'). Raises InvalidArgumentError for ids outside the vocabulary.")
+             "Token ids to text; bytes that are not valid UTF-8 on their own (part of a character) become "
+             "U+FFFD replacement characters. Raises InvalidArgumentError for ids outside the vocabulary. "
+             "Releases the GIL.")
         .def("token_to_piece", &Model::token_to_piece, py::arg("token"), py::arg("special") = false,
              "The bytes of one token; may be a partial UTF-8 sequence. special renders control tokens.")
         .def("is_eog", [](const Model & s, int64_t t) {

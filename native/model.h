@@ -39,8 +39,10 @@ public:
 
     std::string arch() const;
     pybind11::dict metadata() const;
+    // Both release the GIL while llama.cpp works (the weights stay alive through a handle copy).
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
-    std::string detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const;
+    // Text with invalid UTF-8 (a token holding part of a character) decoded with replacement characters.
+    pybind11::str detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const;
     pybind11::bytes token_to_piece(llama_token token, bool special) const;
     pybind11::object chat_template(const pybind11::object & name) const;
     std::string apply_chat_template(const pybind11::list & messages, bool add_assistant, const pybind11::object & tmpl) const;
@@ -52,5 +54,7 @@ private:
 };
 
 void bind_model(pybind11::module_ & m);
+// Stops every model load in progress at its next progress step (Model raises ModelLoadError).
+void cancel_loads();
 
 }  // namespace hyspec

@@ -66,7 +66,18 @@ PYBIND11_MODULE(_native, m) {
         auto it = levels.find(level);
         if (it == levels.end()) throw hyspec::InvalidArgumentError("log level must be debug, info, warn, error or none");
         hyspec::set_log_threshold(it->second);
-    }, py::arg("level"), "Which llama.cpp log messages reach stderr (default: none; errors still go into exceptions).");
+    }, py::arg("level"),
+          "Which llama.cpp log messages are passed on, to the handler or stderr (default: none; errors still go "
+          "into exceptions).");
+    m.def("set_log_handler", &hyspec::set_log_handler, py::arg("handler"),
+          "handler(level, message) receives every whole llama.cpp log message at or above set_log_level's "
+          "threshold (level 0 debug, 1 info, 2 warn, 3 error; no trailing newline), from whichever thread "
+          "logs, with the GIL held; None sends them to stderr again.");
+    m.def("cancel_loads", &hyspec::cancel_loads,
+          "Make every Model load in progress in this process stop at its next progress step and raise "
+          "ModelLoadError (loads started afterwards are not affected).");
+    // Python objects must not be called once the interpreter starts tearing down.
+    py::module_::import("atexit").attr("register")(py::cpp_function([] { hyspec::set_log_handler(py::none()); }));
     m.def("system_info", [] { return std::string(llama_print_system_info()); });
     m.def("max_parallel_sequences", [] { return llama_max_parallel_sequences(); });
     m.def("supports_gpu_offload", [] { return llama_supports_gpu_offload(); });

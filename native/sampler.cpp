@@ -47,17 +47,31 @@ Sampler::Sampler(const Model & model, float temperature, int32_t top_k, float to
     llama_sampler_chain_add(chain_, llama_sampler_init_dist(seed));
 }
 
+Sampler::Busy::Busy(const Sampler & s) : s_(s) {
+    bool expected = false;
+    if (!s.busy_.compare_exchange_strong(expected, true)) {
+        throw ConcurrentUseError("this Sampler is in use by another thread; a Sampler belongs to one thread");
+    }
+}
+
+Sampler::Busy::~Busy() { s_.busy_.store(false); }
+
 Sampler::Sampler(const Sampler & other)
-    : chain_(llama_sampler_clone(other.chain_)), n_vocab_(other.n_vocab_), greedy_(other.greedy_) {}
+    : chain_(nullptr), n_vocab_(other.n_vocab_), greedy_(other.greedy_) {
+    Busy busy(other);
+    chain_ = llama_sampler_clone(other.chain_);
+}
 
 Sampler::~Sampler() {
     if (chain_) llama_sampler_free(chain_);
 }
 
 llama_token Sampler::sample(Context & ctx, int64_t i) {
+    Busy busy(*this);
     Context::Guard guard(ctx);
     if (ctx.n_vocab() != n_vocab_) throw InvalidArgumentError("the sampler was made for another vocabulary size");
     const int32_t idx = ctx.output_batch_index(i);
+    py::gil_scoped_release release;  // top-p sorts the whole vocabulary
     return llama_sampler_sample(chain_, guard.get(), idx);
 }
 
@@ -66,10 +80,12 @@ void Sampler::accept(int64_t token) {
         throw InvalidArgumentError("token id " + std::to_string(token) + " is outside the vocabulary [0, " +
                                    std::to_string(n_vocab_) + ")");
     }
+    Busy busy(*this);
     llama_sampler_accept(chain_, static_cast<llama_token>(token));
 }
 
 std::vector<llama_token_data> Sampler::staged(Context & ctx, int64_t i) {
+    Busy busy(*this);
     Context::Guard guard(ctx);
     if (ctx.n_vocab() != n_vocab_) throw InvalidArgumentError("the sampler was made for another vocabulary size");
     const float * logits = llama_get_logits_ith(guard.get(), ctx.output_batch_index(i));
@@ -118,7 +134,8 @@ llama.cpp's sampler chain for one sequence: [penalties] -> greedy, or
 [penalties] -> [top_k] -> [top_p] -> [min_p] -> temperature -> dist(seed).
 
 Stateful: the penalties remember accepted tokens and dist owns an RNG stream. sample() draws
-and accepts the drawn token; accept() records a token chosen elsewhere. Not thread-safe.
+and accepts the drawn token; accept() records a token chosen elsewhere. sample(), distribution()
+and candidates() release the GIL; one thread at a time (ConcurrentUseError otherwise).
 )doc")
         .def(py::init<const Model &, float, int32_t, float, float, float, float, float, int32_t, uint32_t>(),
              py::arg("model"), py::kw_only(), py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
@@ -137,7 +154,10 @@ and accepts the drawn token; accept() records a token chosen elsewhere. Not thre
              "min-p, temperature applied), in the order the selector walks them: greedy takes the first highest "
              "logit, dist the first token whose cumulative softmax reaches its uniform draw. Draws nothing.")
         .def("clone", [](const Sampler & s) { return Sampler(s); }, "An independent copy, RNG and history included.")
-        .def("reset", [](Sampler & s) { llama_sampler_reset(s.chain()); }, "Forget history; restart the RNG.")
+        .def("reset", [](Sampler & s) {
+            Sampler::Busy busy(s);
+            llama_sampler_reset(s.chain());
+        }, "Forget history; restart the RNG.")
         .def_property_readonly("greedy", &Sampler::greedy)
         .def_property_readonly("seed", [](const Sampler & s) { return llama_sampler_get_seed(s.chain()); });
 }

@@ -5,6 +5,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <vector>
 
 namespace hyspec {
@@ -24,6 +25,19 @@ public:
     llama_sampler * chain() const { return chain_; }
     bool greedy() const { return greedy_; }
 
+    // Marks the sampler busy for one call: sample() and the staged helpers run without the GIL,
+    // so a second thread using the same sampler meanwhile gets ConcurrentUseError.
+    class Busy {
+    public:
+        explicit Busy(const Sampler & s);
+        ~Busy();
+        Busy(const Busy &) = delete;
+        Busy & operator=(const Busy &) = delete;
+
+    private:
+        const Sampler & s_;
+    };
+
 private:
     // Output i's candidates after every stage of the chain but the final selector (greedy or
     // dist), in the order that selector walks them.
@@ -32,6 +46,7 @@ private:
     llama_sampler * chain_ = nullptr;
     int32_t n_vocab_;
     bool greedy_;
+    mutable std::atomic<bool> busy_{false};
 };
 
 void bind_sampler(pybind11::module_ & m);

@@ -2,8 +2,9 @@
 
 Ownership: a Model owns its llama_model; a Context owns its llama_context and holds a
 reference to the model's weights, so they outlive Model.close() while a context uses them.
-A Context belongs to one thread at a time (ConcurrentUseError otherwise). decode, model
-loading, quantize and the state copies release the GIL. Every failure raises a subclass of
+A Context (and a Sampler) belongs to one thread at a time (ConcurrentUseError otherwise).
+decode, model loading, quantize, the state copies, argmax_all, logits_all, Sampler.sample,
+tokenize and detokenize release the GIL. Every failure raises a subclass of
 HyspecError; none of them crashes the process.
 """
 
@@ -100,7 +101,8 @@ class Model:
     def closed(self) -> bool: ...
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
     def detokenize(self, tokens: Sequence[int], remove_special: bool = False, unparse_special: bool = False) -> str:
-        """Raises InvalidArgumentError for ids outside the vocabulary."""
+        """Bytes that are not UTF-8 on their own become U+FFFD. Raises InvalidArgumentError for
+        ids outside the vocabulary."""
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """The token's bytes; may be part of a UTF-8 character."""
     def is_eog(self, token: int) -> bool: ...
@@ -133,7 +135,8 @@ class Context:
         kv_unified: bool = False,
     ) -> None: ...
     @property
-    def model(self) -> Model: ...
+    def model(self) -> Model:
+        """A new Model object sharing the context's weights (closing it leaves the context alone)."""
     @property
     def n_vocab(self) -> int: ...
     @property
@@ -158,7 +161,8 @@ class Context:
     def decode(self, tokens: _Ints, positions: _Ints, seq_ids: _Ints, want_logits: _Bools) -> int:
         """One batch, possibly of several sequences; returns the number of outputs. Each
         sequence's positions continue its memory one by one. InvalidArgumentError for bad
-        input, NoSpaceError when the context is full, DecodeError otherwise."""
+        input (floats included: nothing is truncated), NoSpaceError when the context is full,
+        DecodeError otherwise."""
     def logits(self, i: int) -> npt.NDArray[np.float32]:
         """A copy of the logits of the i-th output of the last decode (negative from the end);
         later decodes do not change it."""
@@ -170,9 +174,11 @@ class Context:
     def state_seq_get(self, seq: int, partial: bool = True) -> bytes:
         """partial: LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (recurrent / SWA part only)."""
     def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview, partial: bool = True) -> None:
-        """With partial=True the attention cache is untouched: trim it with memory_seq_rm."""
+        """With partial=True the attention cache is untouched: trim it with memory_seq_rm. The
+        data must be contiguous (InvalidArgumentError for a strided view)."""
     def memory_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
-        """False when a partial range cannot be removed (recurrent state)."""
+        """False when a partial range cannot be removed (recurrent state). Positions outside
+        [-1, 2^31) are an InvalidArgumentError."""
     def memory_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
     def memory_seq_keep(self, seq: int) -> None: ...
     def memory_seq_pos_min(self, seq: int) -> int: ...
@@ -218,7 +224,15 @@ def quantize(src: str, dst: str, type: str, nthread: int = 0) -> None:
     """Write a quantized copy of a GGUF (q8_0, q4_0, f16, ...). QuantizeError on failure."""
 
 def set_log_level(level: str) -> None:
-    """Which llama.cpp messages reach stderr: debug, info, warn, error or none (default)."""
+    """Which llama.cpp messages are passed on (to the handler, else stderr): debug, info, warn,
+    error or none (default)."""
+
+def set_log_handler(handler: Callable[[int, str], object] | None) -> None:
+    """handler(level, message) gets every whole llama.cpp message at or above the threshold
+    (0 debug, 1 info, 2 warn, 3 error), from whichever thread logs; None: stderr again."""
+
+def cancel_loads() -> None:
+    """Stop every Model load in progress at its next step (it raises ModelLoadError)."""
 
 def system_info() -> str: ...
 def max_parallel_sequences() -> int: ...
