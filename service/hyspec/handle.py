@@ -7,15 +7,17 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from hyspec.types import Chunk, Result
+from hyspec.types import Chunk, RequestError, Result
 
-Event = Chunk | Result
+Event = Chunk | Result | RequestError
 
 
 class RequestHandle:
     """Receives a request's events from the engine's worker thread: Chunks, then exactly one
-    Result. Iterate it (``for`` or ``async for``, when made with a loop) or call result().
-    After cancel() the Result says CANCELLED and chunks not yet consumed are dropped."""
+    terminal event: a Result, or a RequestError when the engine failed the request (INTERNAL),
+    which iterating or result() raises. Iterate it (``for`` or ``async for``, when made with a
+    loop) or call result(). After cancel() the Result says CANCELLED and chunks not yet consumed
+    are dropped."""
 
     def __init__(self, request_id: str, on_cancel: Callable[[RequestHandle], None],
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -26,6 +28,7 @@ class RequestHandle:
         self._async_queue: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
         self._cancelled = threading.Event()
         self._done = False
+        self.finished = False  # the terminal event was emitted (set on the worker thread)
 
     @property
     def cancelled(self) -> bool:
@@ -41,6 +44,8 @@ class RequestHandle:
         """Called by the worker thread."""
         if isinstance(event, Chunk) and self.cancelled:
             return
+        if not isinstance(event, Chunk):
+            self.finished = True
         if self._loop is None:
             self._sync_queue.put(event)
             return
@@ -49,13 +54,22 @@ class RequestHandle:
         except RuntimeError:
             pass  # the caller's loop is closed: nobody is listening any more
 
-    def _accept(self, event: Event) -> Event | None:
+    def fail(self, error: RequestError) -> None:
+        """End the request with an error instead of a Result (called by the worker thread); no-op
+        once the request has ended."""
+        if not self.finished:
+            self.emit(error)
+
+    def _accept(self, event: Event) -> Chunk | Result | None:
+        if isinstance(event, RequestError):
+            self._done = True
+            raise event
         if isinstance(event, Result):
             self._done = True
             return event
         return None if self.cancelled else event
 
-    def __iter__(self) -> Iterator[Event]:
+    def __iter__(self) -> Iterator[Chunk | Result]:
         if self._loop is not None:
             raise TypeError("this handle was made for asyncio: use 'async for'")
         while not self._done:
@@ -63,7 +77,7 @@ class RequestHandle:
             if event is not None:
                 yield event
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
+    async def __aiter__(self) -> AsyncIterator[Chunk | Result]:
         if self._async_queue is None:
             raise TypeError("this handle was made without a loop: use 'for'")
         while not self._done:
@@ -72,7 +86,7 @@ class RequestHandle:
                 yield event
 
     def result(self) -> Result:
-        """Block until the request ends; the final Result."""
+        """Block until the request ends; the final Result (raises the RequestError of a failed request)."""
         final = None
         for event in self:
             if isinstance(event, Result):

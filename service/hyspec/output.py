@@ -22,7 +22,8 @@ class OutputStream:
     ) -> None:
         self._model = model
         self._max_tokens = max_tokens
-        self._stop = [s for s in stop if s]
+        stops = [s for s in stop if s]
+        self._matcher = _StopMatcher(stops) if stops else None
         self._stop_ids = set(stop_token_ids)
         self._ignore_eos = ignore_eos
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -44,8 +45,9 @@ class OutputStream:
             return FinishReason.STOP
         self.token_ids.append(token)
         self._chunk_tokens.append(token)
-        self._held += self._decoder.decode(self._model.token_to_piece(token))
-        if self._release_until_stop():
+        piece = self._decoder.decode(self._model.token_to_piece(token))
+        self._held += piece
+        if self._release_until_stop(piece):
             return FinishReason.STOP
         if len(self.token_ids) >= self._max_tokens:
             return FinishReason.LENGTH
@@ -69,29 +71,74 @@ class OutputStream:
         self.text += text
         self._chunk_text += text
 
-    def _release_until_stop(self) -> bool:
-        if not self._stop:
+    def _release_until_stop(self, piece: str) -> bool:
+        """Release the held text that cannot begin a stop string; True when ``piece`` (the
+        newest text, at the end of what is held) completed one: the text before it is
+        released, the rest dropped."""
+        if self._matcher is None:
             self._release(self._held)
             self._held = ""
             return False
-        found = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
-        if found:
-            self._release(self._held[: min(found)])
+        base = len(self._held) - len(piece)
+        start: int | None = None
+        for i, ch in enumerate(piece):
+            n = self._matcher.feed(ch)
+            if n and (start is None or base + i + 1 - n < start):
+                start = base + i + 1 - n  # the earliest-starting stop string ending here
+        if start is not None:
+            self._release(self._held[: max(start, 0)])
             self._held = ""
             self._stopped_by_string = True
             return True
-        keep = self._longest_stop_prefix_suffix()
-        cut = len(self._held) - keep
+        cut = len(self._held) - min(self._matcher.depth, len(self._held))
         self._release(self._held[:cut])
         self._held = self._held[cut:]
         return False
 
-    def _longest_stop_prefix_suffix(self) -> int:
-        """Length of the longest end of the held text that begins some stop string."""
-        best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(self._held)), best, -1):
-                if self._held.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+
+class _StopMatcher:
+    """Aho-Corasick over the stop strings, fed one character at a time: the work per character
+    does not grow with the number of stop strings (amortized constant)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._next: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        self._longest = [0]  # the longest stop string ending at this state (0: none)
+        for stop in stops:
+            state = 0
+            for ch in stop:
+                nxt = self._next[state].get(ch)
+                if nxt is None:
+                    nxt = len(self._next)
+                    self._next[state][ch] = nxt
+                    self._next.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    self._longest.append(0)
+                state = nxt
+            self._longest[state] = len(stop)
+        # Failure links, breadth first: the longest proper suffix that is also a prefix.
+        self._fail = [0] * len(self._next)
+        order = list(self._next[0].values())
+        for state in order:
+            for ch, child in self._next[state].items():
+                f = self._fail[state]
+                while f and ch not in self._next[f]:
+                    f = self._fail[f]
+                target = self._next[f].get(ch, 0)
+                self._fail[child] = target if target != child else 0
+                self._longest[child] = max(self._longest[child], self._longest[self._fail[child]])
+                order.append(child)
+        self._state = 0
+
+    @property
+    def depth(self) -> int:
+        """Length of the longest end of the text fed so far that begins a stop string."""
+        return self._depth[self._state]
+
+    def feed(self, ch: str) -> int:
+        """Advance by one character; the length of the longest stop string ending with it (0: none)."""
+        state = self._state
+        while state and ch not in self._next[state]:
+            state = self._fail[state]
+        self._state = state = self._next[state].get(ch, 0)
+        return self._longest[state]
