@@ -12,6 +12,9 @@ from typing import Any
 
 from hyspec._native import HyspecError
 from hyspec.flags import EnvParser, given, subcommand
+from hyspec.limits import Limits
+from hyspec.logs import LOG_FORMATS
+from hyspec.logs import configure as configure_logging
 from hyspec.types import (
     Chunk,
     GenerationRequest,
@@ -60,12 +63,12 @@ SPEC_CHOICES = [mode.value for mode in SpecMode]
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
-def _engine_flags(p: EnvParser, slots: int, log_level: str) -> None:
+def _engine_flags(p: EnvParser, slots: int, log_level: str, prefix_cache_mb: int) -> None:
     g = p.add_argument_group("model and speculation")
     p.flag(g, "--model", type=Path, help="target GGUF (default: Gemma 3 270M from its PyPI package)")
     p.flag(g, "--draft", type=Path, help="draft GGUF sharing the target's vocabulary")
     p.flag(g, "--spec", choices=SPEC_CHOICES,
-           help="speculation (default: draft with --draft, else ngram)")
+           help="speculation: auto picks per step whichever configured drafter pays (default: auto)")
     p.flag(g, "--draft-max", type=_non_negative, default=8, help="most draft tokens per step")
     p.flag(g, "--draft-min", type=_non_negative, default=0, help="fewest draft tokens worth verifying")
     p.flag(g, "--fixed-draft", action="store_true",
@@ -78,11 +81,17 @@ def _engine_flags(p: EnvParser, slots: int, log_level: str) -> None:
     p.flag(g, "--ctx", type=_positive, default=4096, help="context tokens per slot")
     p.flag(g, "--threads", type=_non_negative, default=0, help="CPU threads (0: all cores)")
     p.flag(g, "--batch", type=_positive, default=512, help="most tokens per decode")
+    p.flag(g, "--prefix-cache-mb", type=_non_negative, default=prefix_cache_mb,
+           help="memory of finished requests kept so a new request's cached prefix is not decoded again (0: off)")
     p.flag(g, "--gpu-layers", type=_gpu_layers, default=0,
            help="target layers offloaded to the GPU, or 'all' (needs a CUDA/Metal/Vulkan build of llama.cpp)")
     p.flag(g, "--draft-gpu-layers", type=_gpu_layers,
            help="draft model layers offloaded to the GPU, or 'all' (default: as --gpu-layers)")
-    p.flag(g, "--log-level", default=log_level, choices=LOG_LEVELS, help="log level")
+    p.flag(g, "--log-level", default=log_level, choices=LOG_LEVELS,
+           help="log level (llama.cpp's own messages: warnings and errors; all of them at debug)")
+    p.flag(g, "--log-format", default="text", choices=list(LOG_FORMATS),
+           help="text lines, or one JSON object per line (request lines carry request_id, method, status, "
+                "tokens and timings; never prompts or outputs)")
 
 
 def _request_flags(p: EnvParser) -> None:
@@ -98,6 +107,53 @@ def _request_flags(p: EnvParser) -> None:
     p.flag(g, "--ignore-eos", action="store_true", help="keep going past end-of-generation tokens")
     p.flag(g, "--json", action="store_true", help="print one JSON object instead of streaming text")
     p.flag(g, "--server", help="send the request to a running hyspec server (host:port or unix:PATH)")
+    p.flag(g, "--tls-ca", type=Path, help="with --server: connect with TLS, trusting this CA certificate (PEM)")
+    p.flag(g, "--auth-token-file", type=Path,
+           help="with --server: send the file's first token as 'authorization: Bearer <token>'")
+
+
+# Each Limits field's flag: --max-prompt-bytes for max_prompt_bytes, and its help.
+LIMIT_FLAGS = {
+    "max_request_id_bytes": "longest request_id in UTF-8 bytes (INVALID_ARGUMENT beyond)",
+    "max_prompt_bytes": "largest text or chat prompt, and Tokenize text, in bytes, checked before tokenizing "
+                        "(OUT_OF_RANGE beyond)",
+    "max_stops": "most stop strings, and most stop token ids, per request (INVALID_ARGUMENT beyond)",
+    "max_stop_bytes": "longest stop string in UTF-8 bytes (INVALID_ARGUMENT beyond)",
+    "stream_buffer_bytes": "output a Generate stream holds for a client that does not read; the request whose "
+                           "output overflows it fails with RESOURCE_EXHAUSTED and frees its slot",
+    "max_streams": "Generate streams open at once, over all connections (RESOURCE_EXHAUSTED beyond)",
+    "max_streams_per_connection": "concurrent calls on one HTTP/2 connection (further calls wait in the client)",
+    "max_message_bytes": "largest request message (RESOURCE_EXHAUSTED beyond)",
+}
+
+
+def _security_flags(p: EnvParser) -> None:
+    g = p.add_argument_group("security and observability")
+    p.flag(g, "--tls-cert", type=Path, help="serve TCP with TLS: the server certificate chain (PEM)")
+    p.flag(g, "--tls-key", type=Path, help="the private key of --tls-cert (PEM)")
+    p.flag(g, "--tls-client-ca", type=Path,
+           help="require client certificates signed by this CA (mTLS; needs --tls-cert/--tls-key)")
+    p.flag(g, "--auth-token-file", type=Path,
+           help="accepted bearer tokens, one per line ('#' comments), re-read on SIGHUP: every call but "
+                "grpc.health.v1 needs 'authorization: Bearer <token>' (UNAUTHENTICATED otherwise)")
+    p.flag(g, "--metrics-port", type=_non_negative, help="serve Prometheus metrics on this port at /metrics "
+           "(0: any free port; default: off)")
+    p.flag(g, "--metrics-host", default="127.0.0.1", help="address the metrics port listens on")
+
+
+def _limit_flags(p: EnvParser) -> None:
+    g = p.add_argument_group("limits (docs/operations.md)")
+    defaults = Limits()
+    for name, help in LIMIT_FLAGS.items():
+        p.flag(g, "--" + name.replace("_", "-"), type=_positive, default=getattr(defaults, name), help=help)
+
+
+def read_token(path: Path) -> str:
+    """The first token of a token file (one per line, '#' comments)."""
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            return line.strip()
+    raise ValueError(f"{path} holds no token")
 
 
 def build_parser() -> EnvParser:
@@ -105,11 +161,11 @@ def build_parser() -> EnvParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=EnvParser)
 
     gen = subcommand(sub, "generate", env_prefix="HYSPEC_", help="generate text, in-process or through a server")
-    _engine_flags(gen, slots=1, log_level="warning")
+    _engine_flags(gen, slots=1, log_level="warning", prefix_cache_mb=0)  # one request: nothing to reuse
     _request_flags(gen)
 
     srv = subcommand(sub, "serve", env_prefix="HYSPEC_", help="run the gRPC server")
-    _engine_flags(srv, slots=4, log_level="info")
+    _engine_flags(srv, slots=4, log_level="info", prefix_cache_mb=256)
     g = srv.add_argument_group("server")
     srv.flag(g, "--host", default="127.0.0.1", help="address to listen on")
     srv.flag(g, "--port", type=_non_negative, default=50051, help="TCP port (0: any free port)")
@@ -117,6 +173,8 @@ def build_parser() -> EnvParser:
     srv.flag(g, "--max-queue", type=_non_negative, default=64,
              help="requests waiting for a slot before RESOURCE_EXHAUSTED")
     srv.flag(g, "--grace", type=float, default=30.0, help="seconds running requests get at shutdown")
+    _security_flags(srv)
+    _limit_flags(srv)
 
     mk = subcommand(sub, "make-model", env_prefix="HYSPEC_MAKE_MODEL_",
                     help="write a deterministic random-weight GGUF for tests and benchmarks")
@@ -172,7 +230,8 @@ def _engine_config(args: argparse.Namespace, max_queue: int = 64, progress: bool
     return EngineConfig(model=model, draft=args.draft, spec=SpecMode(args.spec) if args.spec else None,
                         draft_min=args.draft_min, draft_max=args.draft_max, adaptive_draft=not args.fixed_draft,
                         rs_snapshots=args.rs_snapshots, slots=args.slots, ctx=args.ctx, threads=args.threads,
-                        batch=args.batch, gpu_layers=args.gpu_layers, draft_gpu_layers=draft_gpu_layers,
+                        batch=args.batch, prefix_cache_mb=args.prefix_cache_mb, gpu_layers=args.gpu_layers,
+                        draft_gpu_layers=draft_gpu_layers,
                         max_queue=max_queue, progress=progress)
 
 
@@ -196,7 +255,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.server:
         from hyspec.client import generate_remote
 
-        result = generate_remote(args.server, request, stream_to=stream)
+        result = generate_remote(args.server, request, stream_to=stream, root_ca=args.tls_ca,
+                                 token=read_token(args.auth_token_file) if args.auth_token_file else None)
     else:
         from hyspec.engine import Engine
 
@@ -222,10 +282,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from hyspec.security import Security
     from hyspec.server import run_server
 
-    return run_server(_engine_config(args, max_queue=args.max_queue), host=args.host, port=args.port,
-                      unix=args.unix, grace=args.grace)
+    security = Security(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                        auth_token_file=args.auth_token_file)
+    limits = Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+    # A progress bar only for a person watching, never between JSON log lines.
+    progress = sys.stderr.isatty() and args.log_format == "text"
+    return run_server(_engine_config(args, max_queue=args.max_queue, progress=progress), host=args.host, port=args.port,
+                      unix=args.unix, grace=args.grace, limits=limits, security=security,
+                      metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -267,8 +334,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = getattr(args, "log_level", "warning")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     commands = {"generate": _generate, "serve": _serve, "make-model": _make_model, "bench": _bench,
                 "train": _train, "models": _models}
     try:
