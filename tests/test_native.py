@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -212,25 +215,63 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_raises_typed_error_without_crashing(case: str, tiny_lfm2: Path, tmp_path: Path) -> None:
-    code, expected = BAD_INPUTS[case]
+# Values that a cast used to truncate or wrap, and views llama.cpp would read past: each must be
+# an InvalidArgumentError (all in one subprocess).
+BOUNDARY_INPUTS = {
+    "float token id": "ctx.decode([1.7], [0], [0], [True])",
+    "float token array": "ctx.decode(__import__('numpy').array([5.0]), [0], [0], [True])",
+    "float position": "ctx.decode([1], [0.0], [0], [True])",
+    "token id past int64": "ctx.decode([2**70], [0], [0], [True])",
+    "seq_rm position past int32": "ctx.memory_seq_rm(0, 2**32 + 1, -1)",
+    "seq_rm position below -1": "ctx.memory_seq_rm(0, -2**32, -1)",
+    "seq_cp position past int32": "ctx.memory_seq_cp(0, 1, 0, 2**31)",
+    "reversed state view": "ctx.decode([1, 2], [0, 1], [0, 0], [False, True]); s = ctx.state_seq_get(0); "
+                           "ctx.state_seq_set(0, memoryview(s)[::-1])",
+    "strided state view": "ctx.decode([1, 2], [0, 1], [0, 0], [False, True]); s = ctx.state_seq_get(0); "
+                          "ctx.state_seq_set(0, memoryview(s + s)[::2])",
+}
+
+
+def _run_native(model: Path, body: str, tmp: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``body`` in a fresh interpreter with N, MODEL, TMP, model and a two-sequence ctx defined, so
+    that a crash fails the test instead of pytest; asserts it did not crash."""
     script = textwrap.dedent(f"""
         import sys
         from hyspec import _native as N
-        MODEL = {str(tiny_lfm2)!r}
-        TMP = {str(tmp_path / "bad.gguf")!r}
+        MODEL = {str(model)!r}
+        TMP = {str(tmp) if tmp else ""!r}
         model = N.Model(MODEL)
         ctx = N.Context(model, n_ctx=256, n_batch=512, n_ubatch=512, n_seq_max=2, n_threads=1)
+    """) + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"crashed with {proc.returncode}: {proc.stderr[-2000:]}"
+    return proc
+
+
+def test_values_the_boundary_used_to_truncate_are_refused(tiny_lfm2: Path) -> None:
+    cases = "".join(f"""
+        try:
+            {code}
+            print({name!r}, "no error")
+        except N.HyspecError as e:
+            print({name!r}, type(e).__name__)
+        ctx.memory_clear()""" for name, code in BOUNDARY_INPUTS.items())
+    proc = _run_native(tiny_lfm2, cases)
+    got = {line.rsplit(" ", 1)[0].strip("'"): line.rsplit(" ", 1)[1] for line in proc.stdout.splitlines()}
+    assert got == dict.fromkeys(BOUNDARY_INPUTS, "InvalidArgumentError")
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_raises_typed_error_without_crashing(case: str, tiny_lfm2: Path, tmp_path: Path) -> None:
+    code, expected = BAD_INPUTS[case]
+    proc = _run_native(tiny_lfm2, f"""
         try:
             {code}
         except N.HyspecError as e:
             print(type(e).__name__, getattr(e, "code", ""), e)
             sys.exit(0)
         print("no error")
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"crashed with {proc.returncode}: {proc.stderr[-2000:]}"
+    """, tmp_path / "bad.gguf")
     name = proc.stdout.split()[0] if proc.stdout else ""
     assert name == expected, proc.stdout + proc.stderr[-2000:]
     assert len(proc.stdout.strip()) > len(expected) + 10, "the message should say what went wrong"
@@ -246,6 +287,172 @@ def test_model_stays_alive_while_a_context_uses_it(tiny_lfm2: Path) -> None:
         model.tokenize("x")
     assert ctx.decode([1, 2], [0, 1], [0, 0], [False, True]) == 1
     assert ctx.model.n_vocab == 128256
+
+
+def test_context_model_is_a_handle_of_its_own(tiny_lfm2: Path) -> None:
+    """Closing what ctx.model returns, then the user's Model, leaves the context working (it
+    used to close the context's own handle and free the weights under it: a use after free,
+    so this runs in a subprocess)."""
+    proc = _run_native(tiny_lfm2, """
+        view = ctx.model
+        assert view is not ctx.model and view.n_vocab == model.n_vocab
+        view.close()
+        assert view.closed and not ctx.model.closed
+        model.close()
+        for _ in range(3):
+            ctx.model.close()
+        assert ctx.decode([1, 2, 3], [0, 1, 2], [0, 0, 0], [False, False, True]) == 1
+        assert ctx.model.tokenize("still here") and int(ctx.argmax_all()[0]) >= 0
+        print("ok")
+    """)
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_a_valid_contiguous_state_view_is_accepted(tiny_lfm2: Path) -> None:
+    ctx = make_ctx(tiny_lfm2)
+    decode_all(ctx, PROMPT, 0)
+    saved = ctx.state_seq_get(0)
+    padded = b"xx" + saved
+    ctx.state_seq_set(0, memoryview(padded)[2:])  # a contiguous slice is fine
+    assert ctx.state_seq_get(0) == saved
+    decode_all(ctx, [np.int32(5), np.int64(6)], len(PROMPT))  # numpy integers are integers
+    assert ctx.memory_seq_rm(0, np.int64(0), -1)  # the whole sequence
+    assert ctx.memory_seq_pos_max(0) == -1
+
+
+def _sees_busy(ctx: N.Context, call: Callable[[], object], seconds: float = 10.0) -> bool:
+    """Whether another thread runs Python while ``call`` is inside ``ctx`` (it gets
+    ConcurrentUseError then): only possible when the call released the GIL."""
+    stop = threading.Event()
+    seen = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            try:
+                ctx.memory_seq_pos_max(0)
+            except N.ConcurrentUseError:
+                seen.set()
+                return
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    deadline = time.monotonic() + seconds
+    try:
+        while not seen.is_set() and time.monotonic() < deadline:
+            call()
+    finally:
+        stop.set()
+        thread.join()
+    return seen.is_set()
+
+
+def test_sampling_and_logit_copies_release_the_gil(gemma: Path) -> None:
+    """Top-p over Gemma's 262k vocabulary, the argmax and the logits copies run without the
+    GIL: the event loop is not stalled while the worker samples."""
+    model = N.Model(str(gemma))
+    ctx = N.Context(model, n_ctx=512, n_threads=2)
+    tokens = model.tokenize("The capital of France is Paris, and the capital of Italy is")[:32]
+    ctx.decode(tokens, range(len(tokens)), [0] * len(tokens), [True] * len(tokens))
+    sampler = N.Sampler(model, temperature=1.0, top_p=0.95, seed=1)
+    assert _sees_busy(ctx, lambda: sampler.sample(ctx, 0))
+    assert _sees_busy(ctx, ctx.argmax_all)
+    assert _sees_busy(ctx, ctx.logits_all)
+    assert ctx.logits_all().shape == (len(tokens), model.n_vocab)
+
+
+def _ticks_during(call: Callable[[], object]) -> tuple[float, float]:
+    """(fraction of a free-running Python thread's pace it kept during ``call``, seconds the call
+    took). A call that holds the GIL stops that thread for all of it."""
+    count = [0]
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        before, start = count[0], time.perf_counter()
+        time.sleep(0.2)
+        pace = (count[0] - before) / (time.perf_counter() - start)
+        before, start = count[0], time.perf_counter()
+        call()
+        took = time.perf_counter() - start
+        ticks = count[0] - before
+    finally:
+        stop.set()
+        thread.join()
+    return ticks / (pace * took), took
+
+
+def test_tokenize_and_detokenize_release_the_gil(gemma: Path) -> None:
+    model = N.Model(str(gemma))
+    text = "The quick brown fox jumps over the lazy dog. " * 8000
+    kept, took = _ticks_during(lambda: model.tokenize(text))
+    assert took > 0.15 and kept > 0.1, (kept, took)
+    ids = model.tokenize(text, add_special=False) * 30
+    kept, took = _ticks_during(lambda: model.detokenize(ids))
+    assert took > 0.1 and kept > 0.1, (kept, took)
+
+
+def test_model_load_can_be_cancelled(tiny_lfm2: Path) -> None:
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def crawl(fraction: float) -> None:
+        started.set()
+        time.sleep(0.05)
+
+    def load() -> None:
+        try:
+            N.Model(str(tiny_lfm2), progress=crawl)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    assert started.wait(30)
+    N.cancel_loads()
+    thread.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], N.ModelLoadError) and "cancelled" in str(errors[0])
+    assert N.Model(str(tiny_lfm2)).n_vocab == 128256  # a load started afterwards is not affected
+
+
+def test_llama_log_reaches_python_logging(tiny_lfm2: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from hyspec.logs import bridge_llama_log
+
+    try:
+        with caplog.at_level(logging.DEBUG, logger="hyspec.llama"):
+            bridge_llama_log("debug")
+            N.Model(str(tiny_lfm2))
+            loading = [r for r in caplog.records if r.name == "hyspec.llama"]
+            assert any("llama_model_loader" in r.getMessage() for r in loading)
+            assert all("\n" not in r.getMessage() for r in loading)  # whole lines, no trailing newline
+            caplog.clear()
+            bridge_llama_log("warning")
+            ctx = N.Context(N.Model(str(tiny_lfm2)), n_ctx=256, n_threads=1)
+            assert not [r for r in caplog.records if r.name == "hyspec.llama" and r.levelno < logging.WARNING]
+            with pytest.raises(N.StateError):
+                ctx.state_seq_set(0, b"garbage" * 10)
+            errors = [r for r in caplog.records if r.name == "hyspec.llama" and r.levelno == logging.ERROR]
+            assert errors
+    finally:
+        N.set_log_handler(None)
+        N.set_log_level("none")
+
+
+def test_log_level_flag_decides_what_of_llama_cpp_reaches_the_log(tiny_lfm2: Path) -> None:
+    def stderr(level: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "hyspec", "generate", "--model", str(tiny_lfm2), "--prompt", "hi",
+                               "--max-tokens", "1", "--ctx", "64", "--spec", "off", "--log-level", level],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stderr
+
+    assert "DEBUG hyspec.llama: llama_model_loader: loaded meta data" in stderr("debug")
+    assert "llama_model_loader" not in stderr("info")
 
 
 def test_a_context_used_by_two_threads_at_once_raises(tiny_lfm2: Path) -> None:
