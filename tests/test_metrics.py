@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import grpc
 import pytest
 from hyspec.engine import Engine, EngineConfig
 from hyspec.logs import JsonFormatter, configure
+from hyspec.server import StartError
 from hyspec.v1 import hyspec_pb2 as pb2
 from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -131,3 +133,14 @@ def test_json_log_lines(server: ThreadServer) -> None:
     assert line["ttft_ms"] > 0 and line["duration_ms"] > 0 and line["finish_reason"] == "length"
     assert "\n" not in line["message"] and line["logger"] == "hyspec.server"
     assert prompt not in out.getvalue() and done.text not in out.getvalue()
+
+
+def test_a_taken_metrics_port_stops_the_start() -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(StartError, match="cannot serve metrics"):
+            ThreadServer(lambda: None, port=0, metrics_port=taken.getsockname()[1])
+    finally:
+        taken.close()

@@ -684,12 +684,13 @@ class HyspecServer:
                 self._owns_unix = True
         except RuntimeError as e:
             raise StartError(f"cannot listen: {e}") from None
+        await server.start()
         if self._metrics_port is not None:
             try:
                 self._rt.metrics.serve(self._metrics_host, self._metrics_port)
             except OSError as e:
+                await server.stop(0)
                 raise StartError(f"cannot serve metrics on {self._metrics_host}:{self._metrics_port}: {e}") from None
-        await server.start()
         self._server = server
         self._warn_if_exposed()
         if self._announce:
