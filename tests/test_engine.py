@@ -545,3 +545,29 @@ def test_snapshot_ring_rollback_equals_plain(slots: int, tiny_lfm2: Path, tiny_l
         assert_plain(tiny_lfm2, prompt, result, allow_ties=slots == 1)
     assert sum(r.stats.rollbacks for r in results) > 0
     assert all(r.stats.replayed_tokens == 0 for r in results)
+
+
+@pytest.mark.parametrize("attn_layers,kind", [((), "recurrent"), ((0,), "attention")])
+def test_a_hybrid_model_with_layers_of_one_kind_is_refused(attn_layers: tuple[int, ...], kind: str,
+                                                          tmp_path: Path) -> None:
+    """llama.cpp aborts the process (GGML_ASSERT(buffer)) on the first decode of an LFM2 model
+    whose layers are all convolutions or all attention: the engine refuses it at load."""
+    import numpy as np
+    from hyspec.gguf_header import read_entries
+    from hyspec.modelgen import ModelShape, tensor_shapes, vocab_path, write_model
+
+    shape = ModelShape(n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1, n_ctx=256, attn_layers=attn_layers)
+    tokenizer = read_entries(vocab_path(), lambda key: key.startswith("tokenizer."))
+    n_vocab = next(len(kv.value) for kv in tokenizer if kv.key == "tokenizer.ggml.tokens")
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal(dims).astype(np.float32) * 0.1
+               for name, dims in tensor_shapes("lfm2", shape, n_vocab).items()}
+    path = write_model(tmp_path / "one.gguf", arch="lfm2", shape=shape, weights=weights, tokenizer=tokenizer,
+                       name="one-layer")
+    with pytest.raises(ValueError, match=f"every layer of this hybrid lfm2 model is a {kind}"):
+        Engine(EngineConfig(model=path, threads=1, ctx=64))
+    bare = ("from hyspec._native import Model, Context\n"
+            f"c = Context(Model({str(path)!r}), n_ctx=256, n_threads=1)\n"
+            "c.decode([1, 2], [0, 1], [0, 0], [False, True])\n")
+    proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=120)
+    assert proc.returncode < 0, "llama.cpp no longer aborts on such a model: the check may go"

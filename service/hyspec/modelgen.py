@@ -18,19 +18,18 @@ from __future__ import annotations
 import functools
 import math
 import os
-import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf import GGMLQuantizationType, LlamaFileType
 from gguf.quants import quant_shape_to_byte_shape, quantize
 from tqdm import tqdm
 
+from hyspec.gguf_header import KeyValue, read_entries
 from hyspec.paths import llama_cpp_dir
 
 # Byte-level BPE: any UTF-8 text tokenizes, and multi-byte characters can split across tokens.
@@ -111,78 +110,6 @@ def vocab_path() -> Path:
 
 # --- tokenizer metadata ----------------------------------------------------------------------
 
-_SCALAR_FORMATS: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "B",
-    GGUFValueType.INT8: "b",
-    GGUFValueType.UINT16: "H",
-    GGUFValueType.INT16: "h",
-    GGUFValueType.UINT32: "I",
-    GGUFValueType.INT32: "i",
-    GGUFValueType.FLOAT32: "f",
-    GGUFValueType.BOOL: "?",
-    GGUFValueType.UINT64: "Q",
-    GGUFValueType.INT64: "q",
-    GGUFValueType.FLOAT64: "d",
-}
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One GGUF metadata entry (``sub_type``: the element type of an array)."""
-
-    key: str
-    value: Any
-    vtype: GGUFValueType
-    sub_type: GGUFValueType | None = None
-
-
-def _read_metadata(path: Path, prefix: str) -> list[KeyValue]:
-    """The key/value pairs of a little-endian GGUF file whose key starts with ``prefix``.
-
-    gguf.GGUFReader takes ~10 s on this vocabulary (it builds numpy views for each of its 400k
-    strings); this plain sequential parse takes a fraction of a second.
-    """
-    buf = path.read_bytes()
-    magic, _version, _n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
-    if magic != gguf.GGUF_MAGIC:
-        raise ValueError(f"{path} is not a GGUF file")
-    pos = 24
-
-    def read_string() -> bytes:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        pos += 8 + n
-        return buf[pos - n : pos]
-
-    def read_scalar(vtype: GGUFValueType) -> Any:
-        nonlocal pos
-        fmt = "<" + _SCALAR_FORMATS[vtype]
-        (value,) = struct.unpack_from(fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return value
-
-    out: list[KeyValue] = []
-    for _ in range(n_kv):
-        key = read_string().decode()
-        vtype = GGUFValueType(read_scalar(GGUFValueType.UINT32))
-        sub_type = None
-        if vtype == GGUFValueType.ARRAY:
-            sub_type = GGUFValueType(read_scalar(GGUFValueType.UINT32))
-            count = read_scalar(GGUFValueType.UINT64)
-            if sub_type == GGUFValueType.STRING:
-                # Kept as bytes: the writer stores them as they are.
-                value: Any = [read_string() for _ in range(count)]
-            else:
-                dtype = np.dtype("<" + _SCALAR_FORMATS[sub_type])
-                value = np.frombuffer(buf, dtype, count, pos).tolist()
-                pos += dtype.itemsize * count
-        elif vtype == GGUFValueType.STRING:
-            value = read_string().decode()
-        else:
-            value = read_scalar(vtype)
-        if key.startswith(prefix):
-            out.append(KeyValue(key, value, vtype, sub_type))
-    return out
 
 
 # --- weights ---------------------------------------------------------------------------------
@@ -443,7 +370,7 @@ def make_model(
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
-    tokenizer = _read_metadata(vocab_path(), "tokenizer.")
+    tokenizer = read_entries(vocab_path(), lambda key: key.startswith("tokenizer."))
     shape = PRESETS[preset]
     weights = [
         Weight(t.name, t.shape, functools.partial(t.values, seed), t.keep_f32)

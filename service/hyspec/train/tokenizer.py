@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from gguf import GGUFValueType, TokenType
 
-from hyspec.modelgen import KeyValue
+from hyspec.gguf_header import KeyValue
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
