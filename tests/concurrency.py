@@ -21,7 +21,8 @@ from exactness import verify
 from hyspec.engine import Engine
 from hyspec.types import Chunk, FinishReason, GenerationRequest, Result, SamplingParams, SpecMode, SpecParams
 
-VOCAB_LOW, VOCAB_HIGH = 200, 30000  # ordinary byte-level BPE tokens of the tiny models' vocabulary
+# Ordinary tokens of the tiny models' byte-level BPE vocabulary, and its BOS.
+LLAMA_BPE = (200, 30000, 128000)
 
 
 @dataclass
@@ -60,7 +61,10 @@ class Figures:
                 f"{self.ties} near-ties forgiven, {len(self.mismatches)} mismatches")
 
 
-def draw_cases(rng: random.Random, modes: list[SpecMode], n: int, long_prompt: int) -> list[Case]:
+def draw_cases(rng: random.Random, modes: list[SpecMode], n: int, long_prompt: int,
+               vocab: tuple[int, int, int] = LLAMA_BPE) -> list[Case]:
+    """``vocab``: the lowest and highest ordinary token id to draw prompts from, and BOS."""
+    low, high, bos = vocab
     cases = []
     for _ in range(n):
         kind = rng.random()
@@ -71,17 +75,17 @@ def draw_cases(rng: random.Random, modes: list[SpecMode], n: int, long_prompt: i
         delay = rng.random() * 0.3
         if cases and rng.random() < 0.25:  # a later turn of an earlier request: the prefix cache hits
             parent = rng.choice(cases)
-            prompt = parent.prompt[1:] + [rng.randint(VOCAB_LOW, VOCAB_HIGH) for _ in range(length // 4 + 1)]
+            prompt = parent.prompt[1:] + [rng.randint(low, high) for _ in range(length // 4 + 1)]
             delay = parent.delay + 0.5 + rng.random() * 0.5  # mostly after the parent finished
         elif rng.random() < 0.3:  # repetitive: the n-gram drafter finds something
-            unit = [rng.randint(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(2, 6))]
+            unit = [rng.randint(low, high) for _ in range(rng.randint(2, 6))]
             prompt = (unit * (length // len(unit) + 1))[:length]
         else:
-            prompt = [rng.randint(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
+            prompt = [rng.randint(low, high) for _ in range(length)]
         sampled = rng.random() < 0.3
         sampling = (SamplingParams(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 40]),
                                    seed=rng.randrange(2**32)) if sampled else SamplingParams())
-        cases.append(Case(prompt=[128000] + prompt, max_tokens=rng.randint(8, 56), mode=rng.choice(modes),
+        cases.append(Case(prompt=[bos] + prompt, max_tokens=rng.randint(8, 56), mode=rng.choice(modes),
                           sampling=sampling, delay=delay,
                           cancel_after=rng.randint(1, 12) if rng.random() < 0.15 else None))
     return cases

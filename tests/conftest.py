@@ -63,6 +63,21 @@ def tiny_llama_q8(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trained_target() -> Path:
+    """The bundled LFM2 target trained on the KJV Bible (hyspec.models)."""
+    from hyspec import models
+
+    return models.target()
+
+
+@pytest.fixture(scope="session")
+def trained_draft() -> Path:
+    from hyspec import models
+
+    return models.draft()
+
+
+@pytest.fixture(scope="session")
 def gemma() -> Path:
     """The real Gemma 3 270M (Q4_K_M) from its PyPI package."""
     return gemma_path(progress=False)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from concurrency import Figures, draw_cases, run_round
+from concurrency import LLAMA_BPE, Figures, draw_cases, run_round
 from hyspec.engine import Engine, EngineConfig
 from hyspec.types import SpecMode
 
@@ -22,6 +22,7 @@ CONFIGS = {
     "hybrid-ring": ("tiny_lfm2", "tiny_lfm2_q8", None),
     "hybrid-checkpoint": ("tiny_lfm2", "tiny_lfm2_q8", 0),
     "attention": ("tiny_llama", "tiny_llama_q8", None),
+    "trained-pair": ("trained_target", "trained_draft", None),  # the bundled pair: peaked logits
 }
 MODES = [SpecMode.OFF, SpecMode.DRAFT, SpecMode.NGRAM, SpecMode.AUTO]
 
@@ -33,17 +34,18 @@ def loaded(request: pytest.FixtureRequest) -> Iterator[tuple[str, Engine, Path]]
     config = EngineConfig(model=target, draft=draft, slots=4, ctx=512, batch=BATCH, threads=2, draft_max=4,
                           adaptive_draft=False, rs_snapshots=rs, max_queue=64, record_shapes=True)
     with Engine(config) as engine:
-        expected = {"hybrid-ring": "ring", "hybrid-checkpoint": "checkpoint", "attention": "seq_rm"}[request.param]
+        expected = {"hybrid-checkpoint": "checkpoint", "attention": "seq_rm"}.get(request.param, "ring")
         assert engine.info()["rollback"] == expected
         yield request.param, engine, target
 
 
 def _rounds(loaded: tuple[str, Engine, Path], seeds: range, per_round: int) -> Figures:
     name, engine, target = loaded
+    vocab = (100, engine.model.n_vocab - 1, engine.model.bos) if name == "trained-pair" else LLAMA_BPE
     total = Figures()
     for seed in seeds:
         rng = random.Random(f"{name}-{seed}")
-        total.add(run_round(engine, target, draw_cases(rng, MODES, per_round, long_prompt=BATCH)))
+        total.add(run_round(engine, target, draw_cases(rng, MODES, per_round, long_prompt=BATCH, vocab=vocab)))
     print(f"{name}: {total.summary()}")
     return total
 

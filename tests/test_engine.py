@@ -571,3 +571,21 @@ def test_a_hybrid_model_with_layers_of_one_kind_is_refused(attn_layers: tuple[in
             "c.decode([1, 2], [0, 1], [0, 0], [False, True])\n")
     proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=120)
     assert proc.returncode < 0, "llama.cpp no longer aborts on such a model: the check may go"
+
+
+def test_the_trained_pair_speculates_exactly(trained_target: Path, trained_draft: Path,
+                                             make_engine: EngineFactory) -> None:
+    """The bundled pair: a real draft for a hybrid target, accepted often and rejected
+    sometimes; every mode gives the plain output (ties, if any, are counted in the report)."""
+    engine = make_engine(trained_target, draft=trained_draft, draft_max=4)
+    drafted = accepted = rollbacks = 0
+    for text in ("And God said,", "In the beginning", "Blessed are they that", "And Jesus answered and said"):
+        prompt = engine.tokenize(text)
+        reference = plain(engine, prompt, max_tokens=48)
+        for mode in (SpecMode.DRAFT, SpecMode.NGRAM, SpecMode.AUTO):
+            result = engine.generate(request(prompt, mode, max_tokens=48))
+            assert_plain(trained_target, prompt, reference, result)
+            if mode is SpecMode.DRAFT:
+                drafted, accepted, rollbacks = (drafted + result.stats.drafted, accepted + result.stats.accepted,
+                                                rollbacks + result.stats.rollbacks)
+    assert rollbacks > 0 and 0.25 < accepted / drafted < 0.95
