@@ -158,3 +158,23 @@ def test_the_byte_budget_bounds_entries(tiny_llama: Path) -> None:
     assert len(cache.entries) == 2  # 400 bytes each: a third would pass the budget
     cache.store(0, list(range(200)), {})  # 2000 bytes: more than the whole budget, never kept
     assert [len(e.tokens) for e in cache.entries] == [40, 40]
+
+
+def test_cached_tokens_reach_clients_and_the_request_log(tiny_llama: Path, make_engine: Factory,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    import grpc
+    from hyspec.v1 import hyspec_pb2 as pb2
+    from hyspec.v1 import hyspec_pb2_grpc as pb2_grpc
+    from serving import running
+
+    engine = make_engine(tiny_llama, slots=1)
+    caplog.set_level("INFO", logger="hyspec.server")
+    with running(engine, port=0) as server, grpc.insecure_channel(server.address) as channel:
+        stub = pb2_grpc.GenerationStub(channel)
+        first = stub.Complete(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=P1), max_tokens=8), timeout=30)
+        again = stub.Complete(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=P1 + list(first.token_ids)),
+                                                  max_tokens=8), timeout=30)
+    assert first.stats.cached_tokens == 0 and again.stats.cached_tokens == len(P1) + 7
+    lines = [r.getMessage() for r in caplog.records if "prompt tokens cached" in r.getMessage()]
+    assert any(f"{len(P1) + 7} prompt tokens cached (cache " in line and "hit rate 33%" in line  # warm-up, miss, hit
+               for line in lines), lines

@@ -314,6 +314,13 @@ class Engine:
         except HyspecError as e:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
 
+    def cache_summary(self) -> dict | None:
+        """The prefix cache's size and hit rate (None without a cache), for the request log."""
+        if self.cache is None:
+            return None
+        return {"mb": round(self.cache.nbytes / (1 << 20), 2), "entries": len(self.cache.entries),
+                "hit_rate": round(self.cache.hit_rate, 3)}
+
     def info(self) -> dict:
         def describe(model: Model | None, path: Path | None) -> dict | None:
             if model is None:

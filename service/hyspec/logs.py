@@ -17,7 +17,8 @@ LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The request fields a JSON line carries when a log call passes them as ``extra``.
 FIELDS = ("request_id", "method", "status", "prompt_tokens", "completion_tokens", "drafted", "accepted",
-          "rollbacks", "ttft_ms", "duration_ms", "tokens_per_second", "finish_reason", "peer")
+          "rollbacks", "ttft_ms", "duration_ms", "tokens_per_second", "finish_reason", "peer", "cached_tokens",
+          "cache_mb", "cache_hit_rate")
 
 LLAMA_LOG = logging.getLogger("hyspec.llama")
 _OURS = "_hyspec_handler"

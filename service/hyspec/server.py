@@ -219,12 +219,18 @@ class _Runtime:
             fields.update(finish_reason=result.finish_reason.value, prompt_tokens=s.prompt_tokens,
                           completion_tokens=s.completion_tokens, drafted=s.drafted, accepted=s.accepted,
                           rollbacks=s.rollbacks, ttft_ms=round(s.ttft_ms, 1),
-                          tokens_per_second=round(s.tokens_per_second, 1))
+                          tokens_per_second=round(s.tokens_per_second, 1), cached_tokens=s.cached_tokens)
             acceptance = f"{s.accepted}/{s.drafted} drafts accepted ({100.0 * s.accepted / s.drafted:.0f}%)" \
                 if s.drafted else "no drafts"
-            log.log(level, "request %s %s: %d prompt + %d generated tokens, %s, %.1f tok/s, ttft %.0f ms", rid,
+            summary = getattr(self.engine, "cache_summary", None)  # test engines may have none
+            cache = summary() if summary is not None else None
+            if cache is not None:
+                fields.update(cache_mb=cache["mb"], cache_hit_rate=cache["hit_rate"])
+            where = f", {s.cached_tokens} prompt tokens cached (cache {cache['mb']:.1f} MB, {cache['entries']} " \
+                f"entries, hit rate {100.0 * cache['hit_rate']:.0f}%)" if cache is not None else ""
+            log.log(level, "request %s %s: %d prompt + %d generated tokens, %s, %.1f tok/s, ttft %.0f ms%s", rid,
                     result.finish_reason.value, s.prompt_tokens, s.completion_tokens, acceptance,
-                    s.tokens_per_second, s.ttft_ms, extra=fields)
+                    s.tokens_per_second, s.ttft_ms, where, extra=fields)
         else:
             log.log(level, "request %s (%s) ended %s: %s", rid, method, code.name, printable(message, 512),
                     extra=fields)
