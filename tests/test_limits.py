@@ -157,6 +157,7 @@ def test_tokenizing_runs_off_the_event_loop(engine: Engine) -> None:
             health = health_pb2_grpc.HealthStub(channel)
             for call in (lambda: stub.Tokenize.future(pb2.TokenizeRequest(text=text), timeout=TIMEOUT),
                          lambda: stub.Complete.future(pb2.GenerateRequest(text=text, max_tokens=1), timeout=TIMEOUT)):
+                began = time.monotonic()
                 future = call()
                 worst = 0.0
                 while not future.done():
@@ -164,7 +165,9 @@ def test_tokenizing_runs_off_the_event_loop(engine: Engine) -> None:
                     assert health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == \
                         health_pb2.HealthCheckResponse.SERVING
                     worst = max(worst, time.monotonic() - start)
-                assert worst < 0.25, worst
+                took = time.monotonic() - began
+                # On the event loop, a health check would wait for all of the tokenizing.
+                assert took > 0.2 and worst < took / 2, (worst, took)
             assert len(stub.Tokenize(pb2.TokenizeRequest(text=text), timeout=TIMEOUT).token_ids) > 600000
             assert status_of(lambda: stub.Complete(pb2.GenerateRequest(text=text), timeout=TIMEOUT)) == OUT_OF_RANGE
 

@@ -542,9 +542,12 @@ class GenerationService(pb2_grpc.GenerationServicer):
         engine = self.rt.check_ready()
         self.rt.limits.check_text(request.text, "the text")
         add_special = request.add_special if request.HasField("add_special") else True
-        ids = await self.rt.run(engine.tokenize, request.text, add_special=add_special,
-                                parse_special=request.parse_special)
-        return pb2.TokenizeResponse(token_ids=ids)
+
+        def tokenize() -> Any:  # the response too: a few MB of text give a million ids
+            return pb2.TokenizeResponse(token_ids=engine.tokenize(request.text, add_special=add_special,
+                                                                  parse_special=request.parse_special))
+
+        return await self.rt.run(tokenize)
 
     @_unary("Detokenize")
     async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext,  # type: ignore[override]
