@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,29 +148,44 @@ def test_prompt_size_is_bounded_before_tokenizing(stub: Any) -> None:
     assert _refusal(stub, text="x", stop_token_ids=[1] * 5000)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_tokenizing_runs_off_the_event_loop(engine: Engine) -> None:
-    """A 3 MB Tokenize (and a 3 MB prompt) no longer freezes every RPC, health included."""
+def test_tokenizing_runs_off_the_event_loop(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a Tokenize (or a Complete's prompt) is being tokenized, health still answers.
+
+    The tokenizer is held at a gate until a health check has answered: were tokenizing on the
+    event loop, that check could not be served and would run into its deadline."""
+    inside, release = threading.Event(), threading.Event()
+    tokenize = engine.tokenize
+
+    def gated(text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        inside.set()
+        release.wait(TIMEOUT)
+        return tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    monkeypatch.setattr(engine, "tokenize", gated)
     big = Limits(max_prompt_bytes=4 << 20, max_message_bytes=8 << 20)
     with running(engine, limits=big) as s:
         text = "The quick brown fox jumps over the lazy dog. " * 70000
         with grpc.insecure_channel(s.address, options=[("grpc.max_send_message_length", 8 << 20)]) as channel:
             stub = pb2_grpc.GenerationStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
-            for call in (lambda: stub.Tokenize.future(pb2.TokenizeRequest(text=text), timeout=TIMEOUT),
-                         lambda: stub.Complete.future(pb2.GenerateRequest(text=text, max_tokens=1), timeout=TIMEOUT)):
-                began = time.monotonic()
+            calls = ((lambda: stub.Tokenize.future(pb2.TokenizeRequest(text=text), timeout=TIMEOUT),
+                      grpc.StatusCode.OK),
+                     # Tokenized, then refused: 700k tokens do not fit the context.
+                     (lambda: stub.Complete.future(pb2.GenerateRequest(text=text, max_tokens=1), timeout=TIMEOUT),
+                      OUT_OF_RANGE))
+            for call, status in calls:
+                inside.clear()
+                release.clear()
                 future = call()
-                worst = 0.0
-                while not future.done():
-                    start = time.monotonic()
-                    assert health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == \
+                try:
+                    assert inside.wait(TIMEOUT), "the request never reached the tokenizer"
+                    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
                         health_pb2.HealthCheckResponse.SERVING
-                    worst = max(worst, time.monotonic() - start)
-                took = time.monotonic() - began
-                # On the event loop, a health check would wait for all of the tokenizing.
-                assert took > 0.2 and worst < took / 2, (worst, took)
+                    assert not future.done()
+                finally:
+                    release.set()
+                assert future.code() == status, future.details()
             assert len(stub.Tokenize(pb2.TokenizeRequest(text=text), timeout=TIMEOUT).token_ids) > 600000
-            assert status_of(lambda: stub.Complete(pb2.GenerateRequest(text=text), timeout=TIMEOUT)) == OUT_OF_RANGE
 
 
 # 7 ------------------------------------------------------------------------------------------------
@@ -212,8 +228,9 @@ def test_stop_strings_match_in_time_independent_of_their_count() -> None:
                 break
         return time.perf_counter() - start, out
 
-    one_time, one = run(["word499"])
-    many_time, crowd = run(many)
+    # Best of three: the machine is shared, and one preemption is longer than the whole loop.
+    (one_time, one), (many_time, crowd) = (min((run(stops) for _ in range(3)), key=lambda r: r[0])
+                                           for stops in (["word499"], many))
     assert one.text == crowd.text == "".join(pieces[:499])
     assert many_time < max(10 * one_time, 0.05), (one_time, many_time)
 

@@ -200,7 +200,7 @@ class Engine:
 
     def _calibration_prompt(self) -> list[int]:
         text = "The history of the printing press begins long before Gutenberg. Wooden blocks were carved"
-        tokens = self.model.tokenize(text, add_special=True, parse_special=False)
+        tokens = self.tokenize(text)
         return tokens[: max(2, min(len(tokens), self.config.batch - 9, self.n_ctx_seq - 32))]
 
     # -- requests --------------------------------------------------------------------------
@@ -285,7 +285,7 @@ class Engine:
         if request.text is not None:
             if not request.text:
                 raise RequestError(invalid, "the prompt is empty")
-            return self.model.tokenize(request.text, add_special=True, parse_special=False)
+            return self.tokenize(request.text)
         if request.token_ids is not None:
             if not request.token_ids:
                 raise RequestError(invalid, "the prompt is empty")
@@ -296,7 +296,7 @@ class Engine:
             text = self.model.apply_chat_template(list(request.chat or []), add_assistant=True)
         except (TemplateError, ValueError) as e:
             raise RequestError(invalid, str(e)) from e
-        return self.model.tokenize(text, add_special=True, parse_special=True)
+        return self.tokenize(text, parse_special=True)
 
     def _check_token(self, token: int, field: str) -> None:
         if not 0 <= token < self.model.n_vocab:
