@@ -87,6 +87,9 @@ def _engine_flags(p: EnvParser, slots: int, log_level: str, prefix_cache_mb: int
     p.flag(g, "--batch", type=_positive, default=512, help="most tokens per decode")
     p.flag(g, "--prefix-cache-mb", type=_non_negative, default=prefix_cache_mb,
            help="memory of finished requests kept so a new request's cached prefix is not decoded again (0: off)")
+    p.flag(g, "--suffix-cache-mb", type=_non_negative, default=64,
+           help="the suffix drafter's index of earlier requests' outputs, which every slot drafts from "
+                "(--spec ngram and auto; 0: each request drafts from its own text only)")
     p.flag(g, "--gpu-layers", type=_gpu_layers, default=0,
            help="target layers offloaded to the GPU, or 'all' (needs a CUDA/Metal/Vulkan build of llama.cpp)")
     p.flag(g, "--draft-gpu-layers", type=_gpu_layers,
@@ -239,7 +242,8 @@ def _engine_config(args: argparse.Namespace, max_queue: int = 64, progress: bool
     return EngineConfig(model=model, draft=draft, spec=SpecMode(args.spec) if args.spec else None,
                         draft_min=args.draft_min, draft_max=args.draft_max, adaptive_draft=not args.fixed_draft,
                         rs_snapshots=args.rs_snapshots, slots=args.slots, ctx=args.ctx, threads=args.threads,
-                        batch=args.batch, prefix_cache_mb=args.prefix_cache_mb, gpu_layers=args.gpu_layers,
+                        batch=args.batch, prefix_cache_mb=args.prefix_cache_mb,
+                        suffix_cache_mb=args.suffix_cache_mb, gpu_layers=args.gpu_layers,
                         draft_gpu_layers=draft_gpu_layers,
                         max_queue=max_queue, progress=progress)
 

@@ -21,7 +21,7 @@ from hyspec._native import Context, HyspecError, Model, Sampler, TemplateError
 from hyspec.draft_policy import SpeculationPolicy
 from hyspec.drafters import Drafter
 from hyspec.drafters.draft_model import DraftModelDrafter, check_same_vocab
-from hyspec.drafters.ngram import NgramDrafter
+from hyspec.drafters.suffix import SuffixDrafter
 from hyspec.gguf_header import read_keys
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
@@ -57,6 +57,8 @@ class EngineConfig:
     max_queue: int = 64
     # Memory of finished requests kept for reuse (prefix_cache.py); 0 turns the cache off.
     prefix_cache_mb: int = 256
+    # The suffix drafter's index of earlier requests' outputs (drafters/suffix.py).
+    suffix_cache_mb: int = 64
     # Layers offloaded to a GPU (-1: all); only a GPU build of llama.cpp uses them.
     gpu_layers: int = 0
     draft_gpu_layers: int = 0
@@ -175,7 +177,7 @@ class Engine:
                            kv_unified=True, n_rs_seq=ring)
         self.n_ctx_seq = ctx
         self.rollback_method = probe_rollback(self.ctx)
-        drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: NgramDrafter()}
+        drafters: dict[SpecMode, Drafter] = {SpecMode.NGRAM: SuffixDrafter(config.suffix_cache_mb << 20)}
         if self.draft_model is not None:
             drafters[SpecMode.DRAFT] = DraftModelDrafter(
                 self.draft_model, n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,

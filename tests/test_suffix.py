@@ -1,0 +1,180 @@
+"""The suffix drafter: its index against brute force, ambiguity, the shared index across
+requests, the memory bound and the work per step."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hyspec.drafters import DraftItem
+from hyspec.drafters import suffix as suffix_module
+from hyspec.drafters.suffix import DEPTH, MAX_MATCH, MIN_MATCH, SuffixDrafter, SuffixTree
+
+# Small alphabets, so that matches, repeats and ties are common.
+streams = st.lists(st.integers(0, 4), min_size=0, max_size=60)
+
+
+def _dump(tree: SuffixTree) -> dict:
+    def walk(node: Any) -> dict:
+        return {t: (c.count, walk(c)) for t, c in node.children.items()}
+    return walk(tree.root)
+
+
+def _continuations(streams_: list[list[int]], pattern: list[int]) -> Counter:
+    """What followed ``pattern`` in the streams, by brute force (paths no longer than DEPTH)."""
+    found: Counter = Counter()
+    n = len(pattern)
+    if n + 1 > DEPTH:
+        return found
+    for s in streams_:
+        for i in range(len(s) - n):
+            if s[i:i + n] == pattern:
+                found[s[i + n]] += 1
+    return found
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(streams, min_size=1, max_size=4), streams)
+def test_drafts_follow_the_most_frequent_continuation_of_the_longest_match(indexed: list[list[int]],
+                                                                            context: list[int]) -> None:
+    tree = SuffixTree()
+    for s in indexed:
+        tree.insert(s)
+    draft = tree.draft(context, 1)
+    # Brute force: the longest suffix of the context (MIN..MAX_MATCH) that was ever continued.
+    for length in range(min(MAX_MATCH, len(context)), MIN_MATCH - 1, -1):
+        following = _continuations(indexed, context[len(context) - length:])
+        if following:
+            top = max(following.values())
+            assert draft.tokens and draft.tokens[0] in {t for t, c in following.items() if c == top}
+            share = (top + 0.5) / (sum(following.values()) + 1)
+            assert draft.confidence == [pytest.approx((1 - 0.5 ** length) * share)]
+            break
+    else:
+        assert draft.tokens == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(streams, min_size=1, max_size=5), st.data())
+def test_removing_a_stream_leaves_the_tree_of_the_others(kept: list[list[int]], data: st.DataObject) -> None:
+    gone = data.draw(st.lists(streams, min_size=1, max_size=3))
+    mixed, alone = SuffixTree(), SuffixTree()
+    order = data.draw(st.permutations([(s, True) for s in kept] + [(s, False) for s in gone]))
+    for s, _ in order:
+        mixed.insert(s)
+    for s in gone:
+        mixed.remove(s)
+    for s in kept:
+        alone.insert(s)
+    assert _dump(mixed) == _dump(alone) and mixed.nodes == alone.nodes
+    # The cached best child is the most frequent one everywhere.
+    stack = [mixed.root]
+    while stack:
+        node = stack.pop()
+        if node.children:
+            assert node.children[node.best].count == max(c.count for c in node.children.values())
+        stack.extend(node.children.values())
+
+
+def _words(text: str, vocab: dict[str, int]) -> list[int]:
+    return [vocab.setdefault(w, len(vocab)) for w in text.split()]
+
+
+def test_an_ambiguous_match_is_decided_by_the_longer_context_and_drafting_goes_on() -> None:
+    """Gemma's loop on "The capital of France is": after "It is the" comes "capital" or
+    "largest", and the sentence before says which."""
+    vocab: dict[str, int] = {}
+    a = "It is the capital of the country of France ."
+    b = "It is the largest city in France ."
+    drafter = SuffixDrafter()
+    history = _words(f"{a} {b} {a} {b} {a} It is the", vocab)
+    draft = drafter.propose([DraftItem(0, history, 8, 0)])[0]
+    assert draft.tokens == _words("largest city in France . It is the", vocab)
+    history = _words(f"{a} {b} {a} {b} It is the", vocab)
+    draft = drafter.propose([DraftItem(1, history, 8, 0)])[0]
+    assert draft.tokens == _words("capital of the country of France . It", vocab)
+    # With only "It is the" to go on, both continuations are possible: a draft, less confident.
+    short = SuffixTree()
+    short.insert(_words(f"{a} {b}", vocab))
+    ambiguous = short.draft(_words("It is the", vocab), 4)
+    assert len(ambiguous.tokens) == 4 and ambiguous.confidence is not None
+    assert ambiguous.confidence[0] < draft.confidence[0]  # type: ignore[index]
+
+
+def test_a_repeating_pattern_is_drafted_past_the_end_of_the_history() -> None:
+    drafter = SuffixDrafter()
+    draft = drafter.propose([DraftItem(0, [7, 1, 2, 3, 1, 2, 3, 1, 2], 8, 1)])[0]
+    assert draft.tokens == [3, 1, 2, 3, 1, 2, 3, 1]
+    assert drafter.propose([DraftItem(0, [7, 1, 2, 3, 1, 2, 3, 1, 2, 3], 0, 1)])[0].tokens == []
+
+
+def test_earlier_requests_outputs_are_drafted_from_by_every_slot() -> None:
+    drafter = SuffixDrafter()
+    answer = list(range(100, 140))
+    drafter.propose([DraftItem(3, [1, 2, 3] + answer, 4, 3)])
+    # A request on another slot whose own text knows nothing of the answer yet.
+    assert drafter.propose([DraftItem(5, [9, 9, 100, 101, 102], 4, 2)])[0].tokens == []
+    drafter.release(3)
+    assert drafter.propose([DraftItem(5, [9, 9, 100, 101, 102, 103], 4, 2)])[0].tokens == [104, 105, 106, 107]
+    off = SuffixDrafter(cache_bytes=0)  # --suffix-cache-mb 0: each request on its own
+    off.propose([DraftItem(3, [1, 2, 3] + answer, 4, 3)])
+    off.release(3)
+    assert off.shared.nodes == 0
+    assert off.propose([DraftItem(5, [9, 9, 100, 101, 102, 103], 4, 2)])[0].tokens == []
+
+
+def test_the_shared_index_stays_within_its_bound_oldest_requests_leaving_first() -> None:
+    budget = 2 << 20
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        drafter = SuffixDrafter(cache_bytes=budget)
+        for r in range(60):
+            tokens = [(r * 7919 + i * 104729) % 5000 for i in range(300)]  # distinct text: no sharing
+            drafter.propose([DraftItem(r % 4, tokens, 4, 10)])
+            drafter.release(r % 4)
+            assert drafter.bytes_used <= budget
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    held = sum(stat.size_diff for stat in after.compare_to(before, "filename")
+               if stat.traceback[0].filename == suffix_module.__file__)
+    # The estimate behind the bound is honest: what Python holds is within it (plus slack).
+    assert held <= budget * 1.25, (held, budget)
+    last = [(59 * 7919 + i * 104729) % 5000 for i in range(300)]
+    first = [(0 * 7919 + i * 104729) % 5000 for i in range(300)]
+    assert drafter.propose([DraftItem(9, last[:20], 3, 1)])[0].tokens == last[20:23]
+    assert drafter.propose([DraftItem(8, first[:20], 3, 1)])[0].tokens == []  # evicted
+
+
+def test_work_per_step_does_not_grow_with_the_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    appended: list[int] = []
+    original = SuffixTree.append
+    monkeypatch.setattr(SuffixTree, "append", lambda self, token: (appended.append(token), original(self, token)))
+    lookups = []
+
+    class CountingDict(dict):
+        def get(self, key: Any, default: Any = None) -> Any:
+            lookups.append(key)
+            return super().get(key, default)
+
+    drafter = SuffixDrafter()
+    history = [(i * 31) % 97 for i in range(5000)]
+    drafter.propose([DraftItem(0, history, 8, 100)])
+    assert len(appended) == 5000
+    appended.clear()
+    drafter.propose([DraftItem(0, [*history, 5, 6], 8, 100)])
+    assert appended == [5, 6]  # only the new tokens are indexed
+    # Matching walks at most MAX_MATCH suffixes of at most MAX_MATCH tokens each.
+    tree = drafter._requests[0].tree
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        node.children = CountingDict(node.children)
+        stack.extend(node.children.values())
+    tree.draft([*history, 5, 6], 8)
+    assert len(lookups) <= MAX_MATCH * (MAX_MATCH + 1) // 2 * 2
