@@ -41,8 +41,8 @@ def test_report_has_every_quick_scenario(quick_report: tuple[dict[str, Any], str
     assert {"machine", "settings", "results", "goals", "elapsed_s"} <= report.keys()
     assert report["settings"]["max_tokens"] == MAX_TOKENS and report["settings"]["pairs"] == PAIRS
     results = report["results"]
-    assert {r["number"] for r in results} == {1, 2, 3, 4, 6, 7}
-    assert {r["kind"] for r in results} == {"versus", "oracle", "streams", "service"}
+    assert {r["number"] for r in results} == {1, 2, 3, 4, 6, 7, 8, 9, 10, 11}
+    assert {r["kind"] for r in results} == {"versus", "oracle", "streams", "service", "cache"}
     for r in results:
         assert r["error"] is None, r
         assert r["summary"], r
@@ -63,17 +63,39 @@ def test_both_sides_ran_alternating_pairs(quick_report: tuple[dict[str, Any], st
     report, _, _ = quick_report
     for r in report["results"]:
         if r["kind"] == "versus":
-            assert set(r["sides"]) == {"hyspec", "llama-server"}
+            # hyspec's own mode; plain and auto beside every speculative one; llama-server's
+            # n-gram types beside hyspec's n-gram.
+            expected = {"off": {"hyspec", "llama-server"},
+                        "ngram": {"hyspec", "hyspec off", "hyspec auto", "llama-server ngram-simple",
+                                  "llama-server ngram-map-k", "llama-server ngram-mod"},
+                        "draft": {"hyspec", "hyspec off", "hyspec auto", "llama-server"}}[r["spec"]]
+            if r["number"] == 11:
+                expected = expected | {"hyspec ngram"}
+            assert set(r["sides"]) == expected, r["name"]
             for side in r["sides"].values():
                 assert len(side["runs"]) == PAIRS and side["peak_rss_kb"] > 0
             s = r["summary"]
-            assert set(s["tokens_per_second"]) == {"hyspec", "llama-server", "ratio"}
+            assert set(s["tokens_per_second"]) == {"hyspec", "llama-server", "ratio", "best_peer"}
             assert s["tokens_per_second"]["ratio"] is not None and s["ttft_ms"]["ratio"] is not None
             assert s["peak_rss_mb"]["ratio"] is not None
+            assert set(s["settings"]) == expected
             if r["spec"] == "off":
-                assert s["acceptance"] == {"hyspec": None, "llama-server": None}
-            elif r["spec"] == "draft":  # a draft model always drafts: both sides report acceptance
+                assert s["acceptance"] == {"hyspec": None, "llama-server": None} and s["auto"] is None
+            else:
+                assert s["auto"]["vs_best_fixed"] is not None and s["auto"]["vs_llama"] is not None
+            if r["spec"] == "draft":  # a draft model always drafts: both sides report acceptance
                 assert s["acceptance"]["hyspec"] is not None and s["acceptance"]["llama-server"] is not None
+        elif r["kind"] == "cache":
+            assert set(r["sides"]) == {"hyspec cache", "hyspec no cache", "llama-server cache"}
+            turns = r["summary"]["turns"]
+            assert len(turns) == r["turns"] and all(t["cache_vs_no_cache"] is not None for t in turns)
+            for side in r["sides"].values():
+                assert len(side["runs"]) == PAIRS * r["turns"] * (2 if r["number"] == 10 else 1)
+            # Later turns (and streams after the warm-up) start from the cache; without it, never.
+            reused = [run["cached_tokens"] for k, run in enumerate(r["sides"]["hyspec cache"]["runs"])
+                      if r["number"] == 10 or k % r["turns"]]
+            assert reused and all(n > 100 for n in reused), reused
+            assert all(run["cached_tokens"] == 0 for run in r["sides"]["hyspec no cache"]["runs"])
         elif r["kind"] == "streams":
             assert set(r["sides"]) == {"hyspec ×1", "llama-server ×1", "hyspec ×4", "llama-server ×4"}
             assert len(r["sides"]["hyspec ×4"]["runs"]) == 4 * PAIRS
@@ -90,7 +112,8 @@ def test_controlled_acceptance_keeps_the_output_and_counts_rollbacks(
     assert len(oracle) == 3  # the hybrid target (snapshot ring, then checkpoint + replay) and the attention one
     for r in oracle:
         settings = r["summary"]["settings"]
-        assert set(settings) == {"plain", "α=0.6"}
+        assert set(settings) == {"plain", "α=0.6", "α=0.6 auto"}
+        assert settings["α=0.6 auto"]["vs_best_fixed"] is not None
         assert settings["plain"]["acceptance"] is None and settings["plain"]["rollbacks"] == 0
         spec = settings["α=0.6"]
         assert 0.0 < spec["acceptance"] < 1.0 and spec["rollbacks"] > 0
@@ -113,11 +136,11 @@ def test_markdown_tables_and_same_tokens_column(quick_report: tuple[dict[str, An
     same = columns.index("same tokens")
     body = lines[lines.index(header) + 2:]
     rows = body[:next((i for i, line in enumerate(body) if not line.startswith("|")), len(body))]
-    assert len(rows) == 3
+    assert len(rows) == 5  # scenarios 1, 2, 3, 8 and 11
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == len(columns) and cells[same].startswith("yes"), row
-    for title in ("scenario 4", "scenario 6", "scenario 7", "### Goals"):
+    for title in ("scenario 4", "scenario 6", "scenario 7", "scenario 9", "scenario 10", "### Goals"):
         assert title in markdown
 
 

@@ -63,14 +63,33 @@ def test_hit_partial_hit_and_miss(target: Path, make_engine: Factory) -> None:
     second = run(engine, turn)
     assert second.stats.cached_tokens == len(P1) + len(first.token_ids) - 1
     same_as_fresh(fresh, target, turn, second)
-    # A prompt sharing 37 tokens: all of them on attention, the checkpoint at 32 on a hybrid.
-    partial = P1[:37] + [2000, 2001, 2002, 2003]
+    # A prompt sharing 30 tokens: all of them on attention, the checkpoint at 16 on a hybrid.
+    partial = P1[:30] + [2000, 2001, 2002, 2003]
     third = run(engine, partial)
-    assert third.stats.cached_tokens == (32 if engine.model.is_hybrid else 37)
+    assert third.stats.cached_tokens == (16 if engine.model.is_hybrid else 30)
     same_as_fresh(fresh, target, partial, third)
     miss = run(engine, [128000, 5, 6, 7, 8, 9, 10])
     assert miss.stats.cached_tokens == 0
     assert engine.cache.stats.hits == 2 and engine.cache.stats.lookups == 4
+
+
+def test_a_shared_system_prompt_and_a_repeated_prompt_hit_with_long_chunks(target: Path,
+                                                                           make_engine: Factory) -> None:
+    """Prompts in one chunk of 512: a hybrid target still has checkpoints every 256 positions
+    and 4 tokens before each prompt's end, so a shared prefix and a repeated prompt resume
+    from the cache (attention targets resume anywhere)."""
+    engine = make_engine(target, slots=2, batch=512)
+    fresh = make_engine(target, slots=1, batch=512, prefix_cache_mb=0)
+    system = [128000] + [RNG.randint(200, 30000) for _ in range(299)]
+    first = system + list(range(3000, 3010))  # its last checkpoint (306) is past the shared part
+    run(engine, first)
+    other = system + [4000, 4001, 4002, 4003]
+    got = run(engine, other)
+    assert got.stats.cached_tokens == (256 if engine.model.is_hybrid else 300)
+    same_as_fresh(fresh, target, other, got)
+    again = run(engine, first)
+    assert again.stats.cached_tokens == len(first) - (4 if engine.model.is_hybrid else 1)
+    same_as_fresh(fresh, target, first, again)
 
 
 def test_the_draft_models_context_reuses_its_memory_too(tiny_lfm2: Path, tiny_lfm2_q8: Path,

@@ -123,7 +123,7 @@ def test_earlier_requests_outputs_are_drafted_from_by_every_slot() -> None:
     off = SuffixDrafter(cache_bytes=0)  # --suffix-cache-mb 0: each request on its own
     off.propose([DraftItem(3, [1, 2, 3] + answer, 4, 3)])
     off.release(3)
-    assert off.shared.nodes == 0
+    assert off.shared.tree.nodes == 0
     assert off.propose([DraftItem(5, [9, 9, 100, 101, 102, 103], 4, 2)])[0].tokens == []
 
 

@@ -75,7 +75,8 @@ def _engine_flags(p: EnvParser, slots: int, log_level: str, prefix_cache_mb: int
     p.flag(g, "--draft-max", type=_non_negative, default=8, help="most draft tokens per step")
     p.flag(g, "--draft-min", type=_non_negative, default=0, help="fewest draft tokens worth verifying")
     p.flag(g, "--fixed-draft", action="store_true",
-           help="always draft draft-max tokens, even while they are rejected (default: adaptive length)")
+           help="--spec draft/ngram always draft draft-max tokens, even while they are rejected (default: "
+                "adaptive length; auto always chooses)")
     p.flag(g, "--rs-snapshots", type=_non_negative,
            help="hybrid targets: recurrent-state snapshots per slot (llama.cpp n_rs_seq), so a rollback is a "
                 "trim, with no checkpoint or replay; drafts are at most this long; 0: checkpoint + replay "

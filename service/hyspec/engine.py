@@ -7,11 +7,13 @@ the native contexts on its own thread; events come back through each RequestHand
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +66,12 @@ class EngineConfig:
     draft_gpu_layers: int = 0
     progress: bool = False
     record_shapes: bool = False  # Result.shapes: each token's batch shape, for hyspec.exactness
+
+
+def _close_at_exit(ref: weakref.ref[Engine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close(grace=0)
 
 
 def _load(path: Path, gpu_layers: int, progress: bool) -> Model:
@@ -138,6 +146,9 @@ class Engine:
         if failure:
             self._thread.join()
             raise failure[0]
+        # An engine left open at exit is stopped before the interpreter tears threads down (a
+        # daemon worker inside native code would otherwise abort the process as it exits).
+        atexit.register(_close_at_exit, weakref.ref(self))
         log.info("engine ready: %s (%s, rollback %s), %d slot(s) x %d tokens, speculation %s",
                  config.model, self.model.arch, self.rollback_method.value, config.slots, self.n_ctx_seq,
                  self.default_spec.value)
@@ -276,7 +287,8 @@ class Engine:
         output = OutputStream(self.model, max_tokens=request.max_tokens, stop=request.stop,
                               stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos)
         return Job(handle=handle, prompt=prompt, sampling=s, sampler=sampler, output=output, spec=spec,
-                   draft_min=draft_min, draft_max=draft_max, adaptive=self.config.adaptive_draft,
+                   draft_min=draft_min, draft_max=draft_max,
+                   adaptive=self.config.adaptive_draft or spec is SpecMode.AUTO,  # auto is a policy
                    t_submit=time.perf_counter())
 
     def _prompt(self, request: GenerationRequest) -> list[int]:

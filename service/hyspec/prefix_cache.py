@@ -3,8 +3,9 @@
 When a request ends, the memory its sequence holds becomes a cache entry: its attention cells
 pass to a cache sequence id (``memory_seq_cp`` shares cells in the unified KV buffer, no data
 is copied) and, on a hybrid target, the partial (recurrent) states saved along the way stay in
-host memory: at the end of each prompt chunk (so every n_batch tokens of a long prompt), at
-the end of the prompt and at the end of the generation. A new request then gets the longest
+host memory: at the end of each prompt chunk (chunks are cut so that one ends at every
+CHECKPOINT_EVERY positions and CHECKPOINT_TAIL tokens before the end of the prompt), at the
+end of the prompt and at the end of the generation. A new request then gets the longest
 prefix of its prompt that an entry holds: the attention cells are shared again into its own
 sequence, up to a position where a recurrent checkpoint exists on a hybrid target (recurrent
 state cannot be trimmed, so it is restored from the nearest checkpoint at or below the match),
@@ -26,6 +27,10 @@ from hyspec._native import Context, Model, max_parallel_sequences
 from hyspec.gguf_header import read_keys
 
 MIN_REUSE = 4  # fewer cached tokens than this are not worth the bookkeeping
+# Hybrid targets: prompt chunks end at these positions so that a recurrent checkpoint is there
+# (as llama-server checkpoints a few tokens before a prompt's end).
+CHECKPOINT_EVERY = 256
+CHECKPOINT_TAIL = 4
 
 
 @dataclass

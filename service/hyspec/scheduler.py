@@ -24,7 +24,7 @@ from hyspec.draft_policy import Choice, SlotRecord
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
 from hyspec.planner import Demand, plan
-from hyspec.prefix_cache import PrefixCache
+from hyspec.prefix_cache import CHECKPOINT_EVERY, CHECKPOINT_TAIL, PrefixCache
 from hyspec.ring import safe_rollbacks, ubatches
 from hyspec.rollback import Checkpoint, RollbackMethod, SeqRollback
 from hyspec.speculation import DraftRequest, Proposal, Speculator
@@ -265,6 +265,20 @@ class Scheduler:
         if self.cache is not None and self.cache.recurrent and self.cache.budget > 0:
             slot.checkpoints[slot.n_mem] = self.ctx.state_seq_get(slot.seq, partial=True)
 
+    def _chunk_limit(self, slot: Slot) -> int:
+        """How much of a prompt may go in this step. With a prefix cache on a hybrid target, a
+        chunk ends at every CHECKPOINT_EVERY-th position and CHECKPOINT_TAIL tokens before the
+        prompt's end, so that a checkpoint is there: a later prompt sharing only a prefix (a
+        system prompt, the same prompt again) resumes near its end. Costs a weight pass each."""
+        feed = len(slot.feed)
+        if self.cache is None or not self.cache.recurrent or self.cache.budget <= 0:
+            return feed
+        end = slot.n_mem + feed
+        boundary = (slot.n_mem // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY
+        if end - CHECKPOINT_TAIL > slot.n_mem:
+            boundary = min(boundary, end - CHECKPOINT_TAIL)
+        return min(feed, boundary - slot.n_mem)
+
     def _make_room(self, n_new: int) -> None:
         """Cache entries give up their cells when running requests need them."""
         if self.cache is None:
@@ -281,7 +295,8 @@ class Scheduler:
                 self._finish(slot, FinishReason.LENGTH)  # no room for the next token
         slots = {s.seq: s for s in self.slots.values()}
         proposals = self._drafts([s for s in slots.values() if s.generating])
-        demands = [Demand(s.seq, len(s.feed), len(proposals[s.seq].tokens) if s.seq in proposals else 0, s.generating)
+        demands = [Demand(s.seq, len(s.feed) if s.generating else self._chunk_limit(s),
+                          len(proposals[s.seq].tokens) if s.seq in proposals else 0, s.generating)
                    for s in slots.values()]
         # Equal ubatch splits (recurrent memory) cost a weight pass per distinct draft length:
         # drafts of one length keep a step at most two passes (slots without one have one token).

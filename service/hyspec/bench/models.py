@@ -29,9 +29,12 @@ class ModelSpec:
     # repeats (a case for n-gram drafting). None: the generator's default.
     embed_std: float | None = None
     gemma: bool = False
+    bundled: str | None = None  # a model shipped with hyspec (hyspec.models), by name
 
     @property
     def filename(self) -> str:
+        if self.bundled:
+            return f"{self.bundled}.gguf"
         if self.gemma:
             return "gemma-3-270m-q4_k_m.gguf"
         echo = "" if self.embed_std is None else f"-e{self.embed_std:g}"
@@ -39,6 +42,8 @@ class ModelSpec:
 
     @property
     def label(self) -> str:
+        if self.bundled:
+            return f"{self.bundled} (trained) Q8_0"
         if self.gemma:
             return "Gemma 3 270M Q4_K_M"
         name = {"lfm2": "LFM2", "llama": "llama"}[self.arch]
@@ -47,6 +52,8 @@ class ModelSpec:
 
 
 GEMMA = ModelSpec(gemma=True)
+KJV_TARGET = ModelSpec(bundled="kjv-target")
+KJV_DRAFT = ModelSpec(bundled="kjv-draft")
 
 
 def default_models_dir() -> Path:
@@ -59,6 +66,11 @@ def prepare(specs: list[ModelSpec], models_dir: Path) -> dict[ModelSpec, Path]:
 
     paths: dict[ModelSpec, Path] = {}
     for spec in dict.fromkeys(specs):
+        if spec.bundled:
+            from hyspec.models import bundled
+
+            paths[spec] = bundled()[spec.bundled]
+            continue
         if spec.gemma:
             from hyspec.gemma import gemma_path
 

@@ -1,11 +1,13 @@
 """The peer: llama-server built from the same pinned llama.cpp tree, on loopback.
 
 It gets what hyspec gets: the same target and draft, draft size, threads, context per slot,
-batch and slots, greedy sampling (top-k 1), no prompt cache (``--cache-ram 0``,
-``cache_prompt: false``, no context checkpoints) and ``n_predict`` with ``ignore_eos`` so both
-generate the same number of tokens. Speculation is ``draft-simple`` with a draft model or
-``ngram-mod``; never the ``--spec-synth-*`` modes, which accept wrong tokens on purpose.
-Speed and acceptance are the server's own ``/completion`` timings.
+batch and slots, greedy sampling (top-k 1) and ``n_predict`` with ``ignore_eos`` so both
+generate the same number of tokens. No prompt cache (``--cache-ram 0``, ``cache_prompt: false``,
+no context checkpoints) unless the scenario measures caches; then ``cache_prompt: true`` with the
+server's default cache and context checkpoints. Speculation is ``draft-simple`` with a draft
+model, or one of the n-gram types (``ngram-simple``, ``ngram-map-k``, ``ngram-mod``) drafting at
+most draft-max tokens as hyspec does; never the ``--spec-synth-*`` modes, which accept wrong
+tokens on purpose. Speed and acceptance are the server's own ``/completion`` timings.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ log = logging.getLogger("hyspec.bench")
 # ngram-mod drafts only after this many tokens match (llama.cpp's default, 24, suits long
 # repeats; below 16 it warns of poor quality).
 NGRAM_MOD_MATCH = 24
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
 
 
 def default_binary() -> Path:
@@ -42,27 +45,31 @@ class PeerConfig:
     binary: Path
     model: Path
     draft: Path | None = None
-    spec: str = "off"  # off, draft or ngram (hyspec's names)
+    spec: str = "off"  # off, draft, or one of NGRAM_TYPES
     draft_max: int = 8
     slots: int = 1
     ctx: int = 4096  # per slot
     threads: int = 2
     batch: int = 512
+    cache: bool = False  # the server's prompt cache and context checkpoints, as it ships
 
     def argv(self, port: int) -> list[str]:
         t = str(self.threads)
         argv = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                 "-t", t, "-tb", t, "-c", str(self.ctx * self.slots), "-np", str(self.slots), "--no-kv-unified",
-                "-b", str(self.batch), "-ub", str(self.batch), "--cache-ram", "0", "--ctx-checkpoints", "0",
-                "--no-webui", "-fit", "off", "--no-slots"]
+                "-b", str(self.batch), "-ub", str(self.batch), "--no-webui", "-fit", "off", "--no-slots"]
+        if not self.cache:
+            argv += ["--cache-ram", "0", "--ctx-checkpoints", "0"]
         if self.spec == "draft":
             if self.draft is None:
                 raise ValueError("speculation 'draft' needs a draft model")
             argv += ["--spec-type", "draft-simple", "-md", str(self.draft), "--spec-draft-n-max", str(self.draft_max),
                      "--spec-draft-n-min", "0", "-td", t, "-tbd", t]
-        elif self.spec == "ngram":
+        elif self.spec == "ngram-mod":
             argv += ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-max", str(self.draft_max),
                      "--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-match", str(NGRAM_MOD_MATCH)]
+        elif self.spec in ("ngram-simple", "ngram-map-k"):  # lookup n-gram of 12 (the default)
+            argv += ["--spec-type", self.spec, f"--spec-{self.spec}-size-m", str(self.draft_max)]
         elif self.spec != "off":
             raise ValueError(f"unknown speculation mode {self.spec!r}")
         return argv
@@ -119,8 +126,8 @@ class LlamaServer(ManagedProcess):
             raise PeerError(f"llama-server {path}: HTTP {e.code}: {e.read()[:500]!r}") from None
 
     def complete(self, prompt: list[int], n_predict: int) -> Run:
-        """One greedy completion of ``prompt`` on a fresh slot (no prompt cache)."""
-        body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False,
+        """One greedy completion of ``prompt`` (from the prompt cache where the server keeps one)."""
+        body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": self.config.cache,
                 "temperature": 0.0, "top_k": 1, "samplers": ["top_k"], "return_tokens": True, "stream": False}
         t0 = time.perf_counter()
         answer = self._post("/completion", body)
@@ -130,7 +137,7 @@ class LlamaServer(ManagedProcess):
                    tokens_per_second=float(timings.get("predicted_per_second", 0.0)),
                    ttft_ms=float(timings.get("prompt_ms", 0.0)),
                    drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)),
-                   wall_s=wall)
+                   wall_s=wall, cached_tokens=int(timings.get("cache_n", 0)))
 
     def run(self, prompts: list[list[int]], *, max_tokens: int) -> Batch:
         """The prompts as concurrent requests (one connection each); waits for all of them."""

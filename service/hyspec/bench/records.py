@@ -17,6 +17,7 @@ class Run:
     rollbacks: int | None = None  # None: the side does not report it
     replayed: int | None = None
     wall_s: float = 0.0  # request sent to result received, as the caller sees it
+    cached_tokens: int = 0  # prompt tokens taken from a prefix cache
 
     @property
     def acceptance(self) -> float | None:

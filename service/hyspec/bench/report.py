@@ -36,20 +36,52 @@ def _mb(kb: int | None) -> float | None:
     return kb / 1024.0 if kb is not None else None
 
 
+def _rates(side: Side) -> list[float | None]:
+    return [x.tokens_per_second for x in side.runs]
+
+
+def _pairwise_max(*sides: Side) -> list[float | None]:
+    """Per pair, the best of the sides' tokens/s (the best configuration of that pair)."""
+    return [max(values) for values in zip(*(_rates(s) for s in sides), strict=True)]  # type: ignore[type-var]
+
+
 def _versus_summary(r: Result) -> dict[str, Any]:
-    h, ll = r.sides[HYSPEC], r.sides[LLAMA]
-    tps_h, tps_l = [x.tokens_per_second for x in h.runs], [x.tokens_per_second for x in ll.runs]
+    h = r.sides[HYSPEC]
+    peers = {name: side for name, side in r.sides.items() if name.startswith(LLAMA)}
+    best_name = max(peers, key=lambda name: median(_rates(peers[name])) or 0.0)
+    ll = peers[best_name]
+    best = _pairwise_max(*peers.values())
+    tps_h = _rates(h)
     ttft_h, ttft_l = [x.ttft_ms for x in h.runs], [x.ttft_ms for x in ll.runs]
-    ratio = pair_ratio(tps_h, tps_l)  # type: ignore[arg-type]
-    return {
-        "tokens_per_second": {HYSPEC: median(tps_h), LLAMA: median(tps_l), "ratio": ratio},
+    ratio = pair_ratio(tps_h, best)
+    out: dict[str, Any] = {
+        "tokens_per_second": {HYSPEC: median(tps_h), LLAMA: median(best), "ratio": ratio,
+                              "best_peer": best_name.removeprefix(LLAMA).strip() or r.spec},
+        "settings": {name: {"tokens_per_second": median(_rates(side)),
+                            "acceptance": median(x.acceptance for x in side.runs),
+                            "rollbacks": median(x.rollbacks for x in side.runs)} for name, side in r.sides.items()},
         "ttft_ms": {HYSPEC: median(ttft_h), LLAMA: median(ttft_l), "ratio": pair_ratio(ttft_h, ttft_l)},  # type: ignore[arg-type]
         "acceptance": {HYSPEC: median(x.acceptance for x in h.runs), LLAMA: median(x.acceptance for x in ll.runs)},
         "rollbacks": {HYSPEC: median(x.rollbacks for x in h.runs), LLAMA: None},
         "peak_rss_mb": {HYSPEC: _mb(h.peak_rss_kb), LLAMA: _mb(ll.peak_rss_kb),
                         "ratio": _ratio(h.peak_rss_kb, ll.peak_rss_kb)},  # type: ignore[arg-type]
         "goal_met": None if r.goal is None or ratio is None else ratio >= r.goal,
+        "auto": None,
     }
+    plain, auto = r.sides.get(f"{HYSPEC} off"), r.sides.get(f"{HYSPEC} auto")
+    if plain is not None:
+        out["vs_plain"] = pair_ratio(tps_h, _rates(plain))
+    if plain is not None and auto is not None:
+        fixed = [name for name in r.sides if name.startswith(HYSPEC) and name not in (f"{HYSPEC} off",
+                                                                                     f"{HYSPEC} auto")]
+        against = pair_ratio(_rates(auto), _pairwise_max(plain, *(r.sides[n] for n in fixed)))
+        out["auto"] = {"tokens_per_second": median(_rates(auto)), "vs_best_fixed": against,
+                       "vs_llama": pair_ratio(_rates(auto), best), "goal_met": None if against is None
+                       else against >= AUTO_GOAL}
+    return out
+
+
+AUTO_GOAL = 0.95  # auto ÷ max(plain, best fixed configuration), in every scenario
 
 
 def _oracle_summary(r: Result) -> dict[str, Any]:
@@ -74,7 +106,28 @@ def _oracle_summary(r: Result) -> dict[str, Any]:
             "ms_per_rollback": ((restore or 0.0) + (replay or 0.0)) / rollbacks if rollbacks else None,
             "share_of_time": total / wall_ms if wall_ms else None,
         }
+    for label in list(rows):
+        if label.endswith(" auto"):
+            fixed = r.sides[label.removesuffix(" auto")]
+            against = pair_ratio(_rates(r.sides[label]), _pairwise_max(r.sides["plain"], fixed))
+            rows[label]["vs_best_fixed"] = against
+            rows[label]["goal_met"] = None if against is None else against >= AUTO_GOAL
     return {"settings": rows}
+
+
+def _cache_summary(r: Result) -> dict[str, Any]:
+    """Median TTFT per turn (a conversation) or over the streams (shared prompt), per side."""
+    names = list(r.sides)
+    runs = {name: r.sides[name].runs for name in names}
+    n_turns = r.turns
+    turns = []
+    for t in range(n_turns):
+        ttft = {name: [x.ttft_ms for k, x in enumerate(runs[name]) if k % n_turns == t] for name in names}
+        cache, nocache, peer = (ttft[n] for n in names)
+        turns.append({**{name: median(v) for name, v in ttft.items()},
+                      "cache_vs_no_cache": pair_ratio(cache, nocache),  # type: ignore[arg-type]
+                      "cache_vs_llama": pair_ratio(cache, peer)})  # type: ignore[arg-type]
+    return {"turns": turns, "peak_rss_mb": {name: _mb(r.sides[name].peak_rss_kb) for name in names}}
 
 
 def _streams_summary(r: Result) -> dict[str, Any]:
@@ -110,7 +163,7 @@ def summarize(r: Result) -> dict[str, Any]:
     if r.error:
         return {}
     return {"versus": _versus_summary, "oracle": _oracle_summary, "streams": _streams_summary,
-            "service": _service_summary}[r.kind](r)
+            "service": _service_summary, "cache": _cache_summary}[r.kind](r)
 
 
 # -- markdown -----------------------------------------------------------------------------------
@@ -146,25 +199,36 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
 
     versus = [(r, s) for r, s in pairs if r.kind == "versus"]
     if versus:
-        out += ["### hyspec vs llama-server, one slot (scenarios 1, 2, 3, 5)", ""]
+        out += ["### hyspec vs llama-server, one slot (scenarios 1, 2, 3, 5, 8, 11)", ""]
         rows = []
         for r, s in versus:
             if r.error:
-                rows.append([str(r.number), r.name, r.target, r.draft or "", "error", *[""] * 11, r.error])
+                rows.append([str(r.number), r.name, r.target, r.draft or "", "error", *[""] * 14, r.error])
                 continue
-            t, f, a, rss = s["tokens_per_second"], s["ttft_ms"], s["acceptance"], s["peak_rss_mb"]
-            rows.append([str(r.number), r.name, r.target, r.draft or "—",
-                         _f(t[HYSPEC]), _f(t[LLAMA]), _x(t["ratio"]),
+            t, f, a, rss, auto = s["tokens_per_second"], s["ttft_ms"], s["acceptance"], s["peak_rss_mb"], s["auto"]
+            rows.append([str(r.number), r.name, r.target, r.draft or "—", r.spec,
+                         _f(t[HYSPEC]), _f(t[LLAMA]), t["best_peer"], _x(t["ratio"]),
+                         _f(auto["tokens_per_second"]) if auto else "—", _x(auto["vs_best_fixed"]) if auto else "—",
                          _f(f[HYSPEC], 0), _f(f[LLAMA], 0), _x(f["ratio"]),
                          _pct(a[HYSPEC]), _pct(a[LLAMA]), _f(s["rollbacks"][HYSPEC], 0),
-                         _f(rss[HYSPEC], 0), _f(rss[LLAMA], 0), _x(rss["ratio"]), r.same_tokens])
-        out += _table(["#", "scenario", "target", "draft", "tok/s hyspec", "tok/s llama", "÷", "TTFT ms hyspec",
+                         _f(rss[HYSPEC], 0), _f(rss[LLAMA], 0), r.same_tokens])
+        out += _table(["#", "scenario", "target", "draft", "hyspec mode", "tok/s hyspec", "tok/s llama",
+                       "llama type", "÷", "tok/s auto", "auto ÷ max(plain, fixed)", "TTFT ms hyspec",
                        "TTFT ms llama", "÷", "accept hyspec", "accept llama", "rollbacks", "RSS MB hyspec",
-                       "RSS MB llama", "÷", "same tokens"], rows)
-        out += ["", "÷ is hyspec ÷ llama-server, the median of per-pair ratios: above 1 is ahead on tok/s and "
-                "behind on TTFT and peak RSS. tok/s is the decode rate after the first token, as each side "
-                "reports it; TTFT is hyspec's submit-to-first-token and llama-server's prompt time; "
-                "rollbacks are hyspec's (llama-server does not report them).", ""]
+                       "RSS MB llama", "same tokens"], rows)
+        out += ["", "÷ is hyspec (its mode in the row) ÷ llama-server (its best type in the row: the best "
+                "median tok/s of the types it ran), the median of per-pair ratios: above 1 is ahead on tok/s "
+                "and behind on TTFT and peak RSS. auto ÷ max(plain, fixed) is `--spec auto` against the best "
+                "of plain and the fixed modes, pair by pair. tok/s is the decode rate after the first token, "
+                "as each side reports it; TTFT is hyspec's submit-to-first-token and llama-server's prompt "
+                "time; rollbacks are hyspec's (llama-server does not report them).", ""]
+        many = [(r, s) for r, s in versus if not r.error and len(r.sides) > 2]
+        if many:
+            out += ["Every setting of the speculative scenarios:", ""]
+            rows = [[str(r.number), r.name, r.target, name, _f(v["tokens_per_second"]), _pct(v["acceptance"]),
+                     _f(v["rollbacks"], 0)] for r, s in many for name, v in s["settings"].items()]
+            out += _table(["#", "scenario", "target", "side", "tok/s", "accepted", "rollbacks"], rows)
+            out.append("")
 
     oracle = [(r, s) for r, s in pairs if r.kind == "oracle"]
     if oracle:
@@ -186,6 +250,9 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
         out += _table(["target", "setting", "tok/s", "vs plain", "accepted", "rollbacks", "replayed tokens",
                        "ms checkpoint / restore / replay", "ms per rollback", "share of time", "same tokens",
                        "tok/s"], rows)
+        out += ["", "`α auto` rows: the same drafts offered to `--spec auto`; ÷ max(plain, fixed α): " + ", ".join(
+            f"{r.target} {label.removesuffix(' auto')} {_x(v['vs_best_fixed'])}"
+            for r, s in oracle if not r.error for label, v in s["settings"].items() if label.endswith(" auto"))]
         out += ["", "Fixed drafts of draft-max tokens, cut at the first wrong one, so acceptance is α; the "
                 "output is the plain run's (same tokens). Milliseconds are per request; a rollback's cost is "
                 "its restore plus the replay decode; share of time is their part of the request's wall time.",
@@ -218,6 +285,19 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                        "RSS MB", "overhead", "same tokens"], rows)
         out.append("")
 
+    for r, s in [(r, s) for r, s in pairs if r.kind == "cache"]:
+        out += [f"### Prefix cache, time to first token (scenario {r.number}): {r.name}, {r.target}", ""]
+        if r.error:
+            out += [f"error: {r.error}", ""]
+            continue
+        names = list(r.sides)
+        rows = [[str(t + 1), *(_f(v[n], 0) for n in names), _x(v["cache_vs_no_cache"]), _x(v["cache_vs_llama"]),
+                 r.same_tokens if t == 0 else ""] for t, v in enumerate(s["turns"])]
+        out += _table(["turn", *(f"TTFT ms {n}" for n in names), "cache ÷ no cache", "cache ÷ llama",
+                       "same tokens"], rows)
+        out += ["", f"Longest prompt {r.prompt_tokens} tokens. hyspec's TTFT is submit to first token; "
+                "llama-server's is its prompt time (`cache_prompt: true`, its default context checkpoints).", ""]
+
     if goals:
         out += ["### Goals", ""]
         out += _table(["goal", "measured", "met"],
@@ -230,13 +310,36 @@ def goals(results: list[Result], summaries: list[dict[str, Any]]) -> list[dict[s
     """Where we want to be, scenario by scenario, against what was measured."""
     out = []
     for r, s in zip(results, summaries, strict=True):
-        if r.error or r.kind == "oracle":
+        if r.error:
             continue
+        if r.kind == "oracle":
+            for label, v in s["settings"].items():
+                if label.endswith(" auto"):
+                    out.append({"goal": f"4 {r.target}{', checkpoint + replay' if 'checkpoint' in r.name else ''}: "
+                                        f"auto ÷ max(plain, fixed {label.removesuffix(' auto')}) ≥ {AUTO_GOAL:g}",
+                                "measured": _x(v["vs_best_fixed"]), "met": v["goal_met"]})
+            continue
+        what = f"{r.number} {SCENARIO_TITLES[r.number]}: {r.name}, {r.target}"
         if r.kind == "versus" and r.goal is not None:
             ratio = s["tokens_per_second"]["ratio"]
-            what = f"{r.number} {SCENARIO_TITLES[r.number]}: {r.name}, {r.target}"
-            out.append({"goal": f"{what}: hyspec ÷ llama-server tok/s ≥ {r.goal:g}", "measured": _x(ratio),
-                        "met": s["goal_met"]})
+            out.append({"goal": f"{what}: hyspec {r.spec} ÷ llama-server {s['tokens_per_second']['best_peer']} "
+                                f"tok/s ≥ {r.goal:g}", "measured": _x(ratio), "met": s["goal_met"]})
+        if r.kind == "versus" and s.get("auto"):
+            out.append({"goal": f"{what}: auto ÷ max(plain, fixed) ≥ {AUTO_GOAL:g}",
+                        "measured": _x(s["auto"]["vs_best_fixed"]), "met": s["auto"]["goal_met"]})
+        if r.kind == "versus" and r.draft and "vs_plain" in s:
+            ratio = s["vs_plain"]
+            out.append({"goal": f"{what}: hyspec {r.spec} ÷ its plain ≥ 1", "measured": _x(ratio),
+                        "met": None if ratio is None else ratio >= 1.0})
+        if r.kind == "cache":
+            later = s["turns"][1:] if r.turns > 1 else s["turns"]
+            worst_cache = max((t["cache_vs_no_cache"] or 0.0 for t in later), default=None)
+            worst_llama = max((t["cache_vs_llama"] or 0.0 for t in later), default=None)
+            turns = "turns ≥ 2" if r.turns > 1 else "every stream"
+            out.append({"goal": f"{what}: TTFT with ÷ without the cache ≤ 0.15 ({turns}, worst)",
+                        "measured": _x(worst_cache), "met": None if worst_cache is None else worst_cache <= 0.15})
+            out.append({"goal": f"{what}: TTFT ÷ llama-server's ≤ 1.0 ({turns}, worst)",
+                        "measured": _x(worst_llama), "met": None if worst_llama is None else worst_llama <= 1.0})
         elif r.kind == "streams" and r.goal is not None:
             top = list(s["aggregate_tokens_per_second"].items())[-1]
             out.append({"goal": f"6 aggregate tok/s with {top[0]} streams, hyspec ÷ llama-server ≥ {r.goal:g}",

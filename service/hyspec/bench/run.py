@@ -50,7 +50,7 @@ def _scenario_list(opts: Options) -> list[scenarios.Scenario]:
     if opts.only:
         unknown = set(opts.only) - set(scenarios.SCENARIO_TITLES)
         if unknown:
-            raise ValueError(f"no scenario {sorted(unknown)}; they are 1-7")
+            raise ValueError(f"no scenario {sorted(unknown)}; they are 1-{max(scenarios.SCENARIO_TITLES)}")
         chosen = [s for s in chosen if s.number in opts.only]
         if not chosen:
             raise ValueError(f"scenarios {opts.only} are not in the {'quick' if opts.quick else 'full'} set")
@@ -71,7 +71,9 @@ def _header(opts: Options, settings: Settings, info: dict, elapsed: float, start
         f"{settings.threads} threads, context {settings.ctx} per slot, batch {settings.batch}; "
         f"warm-up then {settings.pairs} alternating pairs, medians; hyspec draft length "
         f"{'adaptive' if settings.adaptive_draft else 'fixed'} (fixed in scenario 4), llama-server's fixed; "
-        f"llama-server n-gram is ngram-mod (match {NGRAM_MOD_MATCH}, n-min 1)",
+        f"llama-server runs each n-gram type, drafting at most draft-max tokens (ngram-mod: match "
+        f"{NGRAM_MOD_MATCH}, n-min 1; ngram-simple and ngram-map-k: lookup 12); hyspec's prefix cache is off "
+        f"except in the cache scenarios",
         f"- wall time of the run: {elapsed / 60:.1f} min",
         "",
         "",

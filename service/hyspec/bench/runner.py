@@ -21,7 +21,20 @@ from hyspec.bench.models import ModelSpec
 from hyspec.bench.peer import LlamaServer, PeerConfig
 from hyspec.bench.records import Batch, Run
 from hyspec.bench.remote import HyspecService
-from hyspec.bench.scenarios import STREAM_PROMPTS, Oracle, Scenario, Service, Streams, Versus, variant
+from hyspec.bench.scenarios import (
+    AGENTIC_EDITS,
+    PROSE,
+    QUESTIONS,
+    STREAM_PROMPTS,
+    SYSTEM,
+    Cache,
+    Oracle,
+    Scenario,
+    Service,
+    Streams,
+    Versus,
+    variant,
+)
 from hyspec.bench.worker import HyspecWorker, WorkerConfig
 from hyspec.exactness import Verdict, check
 
@@ -70,7 +83,7 @@ class Side:
 
 @dataclass
 class Result:
-    kind: str  # versus, oracle, streams or service
+    kind: str  # versus, oracle, streams, service or cache
     number: int
     name: str
     target: str
@@ -78,6 +91,7 @@ class Result:
     draft: str | None = None
     goal: float | None = None
     prompt_tokens: int = 0
+    turns: int = 1  # a conversation's turns (cache scenarios): runs go turn by turn
     sides: dict[str, Side] = field(default_factory=dict)
     same_tokens: str = ""  # the verdict shown in the table
     exact: bool = True  # False: some output is not the target's plain run, and not at a near-tie
@@ -149,10 +163,10 @@ class Runner:
         return self.log_dir / f"{self._n:02d}-{what}.log"
 
     def _worker_config(self, target: ModelSpec, draft: ModelSpec | None = None, slots: int = 1,
-                       oracle: bool = False, ring: bool = True) -> WorkerConfig:
+                       oracle: bool = False, ring: bool = True, prefix_cache_mb: int = 0) -> WorkerConfig:
         return WorkerConfig(model=str(self.paths[target]), draft=str(self.paths[draft]) if draft else None,
-                            slots=slots, ctx=self.s.ctx, threads=self.s.threads, batch=self.s.batch,
-                            draft_max=self.s.draft_max, oracle=oracle,
+                            slots=slots, ctx=self._ctx(target), threads=self.s.threads, batch=self.s.batch,
+                            draft_max=self.s.draft_max, oracle=oracle, prefix_cache_mb=prefix_cache_mb,
                             rs_snapshots=None if ring else 0,
                             # Controlled acceptance measures fixed drafts: a policy would change α.
                             adaptive_draft=self.s.adaptive_draft and not oracle)
@@ -160,11 +174,17 @@ class Runner:
     def _worker(self, config: WorkerConfig) -> HyspecWorker:
         return HyspecWorker(config, self._log("hyspec"), env=self.env)
 
-    def _peer(self, target: ModelSpec, spec: str, draft: ModelSpec | None = None, slots: int = 1) -> LlamaServer:
+    def _peer(self, target: ModelSpec, spec: str, draft: ModelSpec | None = None, slots: int = 1,
+              cache: bool = False) -> LlamaServer:
         config = PeerConfig(binary=self.s.llama_server, model=self.paths[target],
                             draft=self.paths[draft] if draft else None, spec=spec, draft_max=self.s.draft_max,
-                            slots=slots, ctx=self.s.ctx, threads=self.s.threads, batch=self.s.batch)
+                            slots=slots, ctx=self._ctx(target), threads=self.s.threads, batch=self.s.batch,
+                            cache=cache)
         return LlamaServer(config, self._log("llama-server"), env=self.env)
+
+    def _ctx(self, target: ModelSpec) -> int:
+        """The context per slot: the trained pair knows only its training context."""
+        return min(self.s.ctx, 512) if target.bundled else self.s.ctx
 
     # -- scenarios ----------------------------------------------------------------------------
 
@@ -172,7 +192,7 @@ class Runner:
         """One result per scenario (the controlled-acceptance one: per target)."""
         if isinstance(scenario, Oracle):
             return [self._timed(self._oracle, scenario, target, progress) for target in scenario.targets]
-        runners = {"versus": self._versus, "streams": self._streams, "service": self._service}
+        runners = {"versus": self._versus, "streams": self._streams, "service": self._service, "cache": self._cache}
         return [self._timed(runners[scenario.kind], scenario, progress)]
 
     @staticmethod
@@ -185,27 +205,57 @@ class Runner:
     def _versus(self, sc: Versus, progress: Callable[[str], None]) -> Result:
         result = Result("versus", sc.number, sc.name, sc.target.label, sc.spec, goal=sc.goal,
                         draft=sc.draft.label if sc.draft else None)
-        hy, ll = result.sides.setdefault(HYSPEC, Side()), result.sides.setdefault(LLAMA, Side())
+        hyspec = {mode: result.sides.setdefault(side_name(HYSPEC, mode, sc.spec), Side()) for mode in sc.modes}
+        llama = {peer: result.sides.setdefault(side_name(LLAMA, peer, sc.peers[0]), Side()) for peer in sc.peers}
         with contextlib.ExitStack() as stack:
-            peer, worker = _start(stack, lambda: self._peer(sc.target, sc.spec, sc.draft),
-                                  lambda: self._worker(self._worker_config(sc.target, sc.draft)))
-            # Pair i gets prompt i + 1 on both sides; prompt 0 is the warm-up.
-            prompts = [worker.tokenize(variant(sc.prompt, i)) for i in range(self.s.pairs + 1)]
-            result.prompt_tokens = len(prompts[0])
+            worker = self._worker(self._worker_config(sc.target, sc.draft))
+            stack.callback(worker.stop)
+            peers = {}
+            for peer in sc.peers:
+                peers[peer] = self._peer(sc.target, peer, sc.draft)
+                stack.callback(peers[peer].stop)
+            for process in (worker, *peers.values()):
+                process.wait_ready()
             args = {"max_tokens": self.s.max_tokens}
-            worker.run(prompts[:1], spec=sc.spec, draft_max=self.s.draft_max, **args)  # warm-up
-            peer.run(prompts[:1], **args)
+
+            def on_hyspec(prompt: list[int], mode: str) -> Batch:
+                return worker.run([prompt], spec=mode, draft_max=self.s.draft_max, **args)
+
+            # Prompt 0 is the warm-up; pair i gets prompt i + 1 on every side.
+            prompts = self._agentic_prompts(sc, worker) if sc.agentic else \
+                [worker.tokenize(variant(sc.prompt, i)) for i in range(self.s.pairs + 1)]
+            result.prompt_tokens = len(prompts[0])
+            for mode in sc.modes:
+                on_hyspec(prompts[0], mode)
+            for peer in peers.values():
+                peer.run(prompts[:1], **args)
             for i in range(self.s.pairs):
-                hy.add(worker.run([prompts[i + 1]], spec=sc.spec, draft_max=self.s.draft_max, **args))
-                ll.add(peer.run([prompts[i + 1]], **args))
-                progress(f"pair {i + 1}/{self.s.pairs}: hyspec {hy.runs[-1].tokens_per_second:.1f} tok/s, "
-                         f"llama-server {ll.runs[-1].tokens_per_second:.1f} tok/s")
-            hy.peak_rss_kb, ll.peak_rss_kb = worker.peak_rss_kb(), peer.peak_rss_kb()
+                for mode, side in hyspec.items():
+                    side.add(on_hyspec(prompts[i + 1], mode))
+                for name, peer in peers.items():
+                    llama[name].add(peer.run([prompts[i + 1]], **args))
+                progress(f"pair {i + 1}/{self.s.pairs}: " + ", ".join(
+                    f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
+            for side in hyspec.values():
+                side.peak_rss_kb = worker.peak_rss_kb()
+            for name, peer in peers.items():
+                llama[name].peak_rss_kb = peer.peak_rss_kb()
         check = _Checker(self.paths[sc.target])
-        for i, (h, lr) in enumerate(zip(hy.runs, ll.runs, strict=True)):
-            check(prompts[i + 1], h.tokens, lr.tokens)
+        for side in result.sides.values():
+            for i, run in enumerate(side.runs):
+                check(prompts[i + 1], run.tokens)
         check.verdict(result)
         return result
+
+    def _agentic_prompts(self, sc: Versus, worker: HyspecWorker) -> list[list[int]]:
+        """A chain of edits: request k asks to restate or edit answer k - 1 (its plain greedy
+        run, so every side is sent the same prompts)."""
+        prompts = [worker.tokenize(sc.prompt)]
+        for i in range(self.s.pairs):
+            answer = worker.run(prompts[-1:], max_tokens=self.s.max_tokens, spec="off", draft_max=0).runs[0]
+            edit = AGENTIC_EDITS[i % len(AGENTIC_EDITS)]
+            prompts.append(worker.tokenize(edit.format(answer=worker.detokenize(answer.tokens))))
+        return prompts
 
     def _oracle(self, sc: Oracle, target: ModelSpec, progress: Callable[[str], None]) -> Result:
         result = Result("oracle", sc.number, sc.name, target.label, "oracle", goal=None)
@@ -227,6 +277,9 @@ class Runner:
                     else:
                         worker.call("alpha", alpha=alpha, seed=i)
                         side.add(worker.run([prompt], spec="ngram", **run))
+                        auto = result.sides.setdefault(f"{label} auto", Side())
+                        worker.call("alpha", alpha=alpha, seed=i)
+                        auto.add(worker.run([prompt], spec="auto", **run))
                     line.append(f"{label} {side.runs[-1].tokens_per_second:.1f}")
                 progress(f"round {i + 1}/{self.s.pairs}: " + ", ".join(line) + " tok/s")
             rss = worker.peak_rss_kb()
@@ -296,6 +349,77 @@ class Runner:
             check(prompt, a.tokens, b.tokens)
         check.verdict(result)
         return result
+
+
+    def _cache(self, sc: Cache, progress: Callable[[str], None]) -> Result:
+        """TTFT per turn (or per stream) with hyspec's prefix cache, without it, and with
+        llama-server's prompt cache; each pair a conversation of its own (a new first line)."""
+        result = Result("cache", sc.number, sc.name, sc.target.label, "off", goal=None, turns=sc.turns)
+        names = (f"{HYSPEC} cache", f"{HYSPEC} no cache", f"{LLAMA} cache")
+        with contextlib.ExitStack() as stack:
+            cached = self._worker(self._worker_config(sc.target, slots=sc.streams, prefix_cache_mb=1024))
+            stack.callback(cached.stop)
+            uncached = self._worker(self._worker_config(sc.target, slots=sc.streams))
+            stack.callback(uncached.stop)
+            peer = self._peer(sc.target, "off", slots=sc.streams, cache=True)
+            stack.callback(peer.stop)
+            for process in (cached, uncached, peer):
+                process.wait_ready()
+            args = {"max_tokens": self.s.max_tokens}
+            system = _filler(cached, SYSTEM, sc.system_tokens)
+            sides = [(cached, result.sides.setdefault(names[0], Side())),
+                     (uncached, result.sides.setdefault(names[1], Side())),
+                     (peer, result.sides.setdefault(names[2], Side()))]
+            prompts_seen: list[list[int]] = []
+            for i in range(self.s.pairs + 1):  # round 0 is the warm-up
+                if sc.streams > 1:  # one system prompt for all: other questions each round
+                    history = cached.tokenize(system)
+                    questions = [QUESTIONS[(i + k) % len(QUESTIONS)] for k in range(sc.streams)]
+                else:  # a conversation of its own each round (its first line differs)
+                    history = cached.tokenize(variant(system, i))
+                    questions = [QUESTIONS[0]]
+                for turn in range(sc.turns):
+                    if turn:
+                        pasted = _filler(cached, "", sc.question_tokens, start=10 * turn)
+                        questions = [f" {pasted} {QUESTIONS[turn % len(QUESTIONS)]}"]
+                    prompts = [history + cached.tokenize(q, add_special=False) for q in questions]
+                    answers: list[list[int]] = []
+                    for process, side in sides:
+                        batch = peer.run(prompts, **args) if process is peer else \
+                            process.run(prompts, spec="off", draft_max=0, **args)  # type: ignore[attr-defined]
+                        if i:
+                            side.add(batch)
+                        answers.append(batch.runs[0].tokens)
+                    if i:
+                        prompts_seen += prompts
+                        progress(f"round {i}/{self.s.pairs}, turn {turn + 1} ({len(prompts[0])} tokens): TTFT " +
+                                 ", ".join(f"{name} {side.runs[-1].ttft_ms:.0f} ms"
+                                           for name, (_, side) in zip(names, sides, strict=True)))
+                    # The next turn resends it all: the prompt, the (plain greedy) answer, more text.
+                    history = prompts[0] + answers[1]
+            for process, side in sides:
+                side.peak_rss_kb = process.peak_rss_kb()
+        result.prompt_tokens = max(len(p) for p in prompts_seen)
+        check = _Checker(self.paths[sc.target])
+        for _, side in sides:
+            for prompt, run in zip(prompts_seen, side.runs, strict=True):
+                check(prompt, run.tokens)
+        check.verdict(result)
+        return result
+
+
+def side_name(who: str, mode: str, own: str) -> str:
+    """A side's name: ``who`` alone for the scenario's own setting, else with the setting."""
+    return who if mode == own else f"{who} {mode}"
+
+
+def _filler(worker: HyspecWorker, head: str, n_tokens: int, start: int = 0) -> str:
+    """``head`` followed by manual text (prose variants), about ``n_tokens`` tokens long."""
+    text, k = head, start
+    while len(worker.tokenize(text, add_special=False)) < n_tokens:
+        text += variant(PROSE, k)
+        k += 1
+    return text
 
 
 class _Process(Protocol):

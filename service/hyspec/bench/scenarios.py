@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hyspec.bench.models import GEMMA, ModelSpec
+from hyspec.bench.models import GEMMA, KJV_DRAFT, KJV_TARGET, ModelSpec
+from hyspec.bench.peer import NGRAM_TYPES
 
 ECHO = 1.0  # embed_std of the n-gram scenario's targets
 
@@ -22,6 +23,19 @@ STREAM_PROMPTS = (
 )
 
 
+# The trained pair's corpus: a verse it has not seen (held out), to be continued.
+KJV = "And it came to pass, when the king heard the words of the book of the law, that he rent his clothes. "
+# Agentic requests: each restates or edits the previous answer, which it carries in its prompt.
+AGENTIC_EDITS = ("Rewrite this paragraph in plainer words:\n\n{answer}\n\nRewritten:",
+                 "Fix the grammar of this text and return all of it:\n\n{answer}\n\nFixed:",
+                 "Repeat this text, then add one sentence:\n\n{answer}\n\n")
+# Multi-turn and shared-prompt scenarios: a long system prompt, then questions.
+SYSTEM = ("You are the support assistant of a company that builds printing presses. Answer precisely, "
+          "quote the manual where you can, and say when you do not know. The manual follows. ")
+QUESTIONS = ("How do I clean the ink rollers?", "What does error E42 mean?", "How often should the belt be oiled?",
+             "Can the press print on card stock?", "Why does the paper jam at the second roller?")
+
+
 def variant(text: str, i: int) -> str:
     """The prompt of measured pair ``i`` (0: the warm-up). Each pair gets a prompt of its own, so
     that neither side can answer from an earlier request: llama-server's ngram-mod keeps one
@@ -29,9 +43,18 @@ def variant(text: str, i: int) -> str:
     return f"Part {i + 1}. {text}"
 
 
+def _peers(spec: str) -> tuple[str, ...]:
+    return NGRAM_TYPES if spec == "ngram" else (spec,)
+
+
 @dataclass(frozen=True)
 class Versus:
-    """hyspec and llama-server side by side, one slot (scenarios 1, 2, 3 and 5)."""
+    """hyspec and llama-server side by side, one slot (scenarios 1, 2, 3, 5, 8 and 11).
+
+    hyspec runs ``spec`` (its fixed configuration) and, in a speculative scenario, also plain
+    and ``auto`` (and any ``extra`` modes); llama-server runs each of ``peers`` (the n-gram
+    scenarios: every n-gram type it has). ``agentic``: each request edits the previous answer,
+    which its prompt carries (AGENTIC_EDITS), instead of being a prompt of its own."""
 
     number: int
     name: str
@@ -40,7 +63,41 @@ class Versus:
     prompt: str
     draft: ModelSpec | None = None
     goal: float | None = 1.0  # wanted: hyspec / llama-server decode tokens/s at least this
+    extra: tuple[str, ...] = ()
+    agentic: bool = False
     kind: ClassVar[str] = "versus"
+
+    @property
+    def targets(self) -> tuple[ModelSpec, ...]:
+        return (self.target,)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """hyspec's settings: the scenario's own first."""
+        if self.spec == "off":
+            return ("off",)
+        return tuple(dict.fromkeys((self.spec, "off", *self.extra, "auto")))
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return _peers(self.spec)
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Prefix cache (scenarios 9 and 10): time to first token with hyspec's cache, without it,
+    and with llama-server's (``cache_prompt``, its default context checkpoints). ``turns`` > 1:
+    one conversation whose every turn resends the history (prompt, answer, a new question);
+    ``streams`` > 1: that many concurrent requests sharing the system prompt."""
+
+    number: int
+    name: str
+    target: ModelSpec
+    system_tokens: int  # the system prompt's length (SYSTEM, then manual text)
+    turns: int = 1
+    streams: int = 1
+    question_tokens: int = 0  # turns after the first: pasted text of this length, then a question
+    kind: ClassVar[str] = "cache"
 
     @property
     def targets(self) -> tuple[ModelSpec, ...]:
@@ -94,7 +151,7 @@ class Service:
         return (self.target,)
 
 
-Scenario = Versus | Oracle | Streams | Service
+Scenario = Versus | Oracle | Streams | Service | Cache
 
 SCENARIO_TITLES = {
     1: "plain decoding",
@@ -104,6 +161,10 @@ SCENARIO_TITLES = {
     5: "Gemma 3 270M",
     6: "concurrent streams",
     7: "gRPC overhead",
+    8: "agentic edits",
+    9: "multi-turn conversation, prefix cache",
+    10: "shared system prompt, prefix cache",
+    11: "trained pair",
 }
 
 
@@ -129,6 +190,11 @@ def full() -> list[Scenario]:
         Versus(5, "n-gram", GEMMA, "ngram", FRANCE),
         Streams(f16, streams=4),
         Service(f16),
+        Versus(8, "agentic", GEMMA, "ngram", PROSE, goal=1.3, agentic=True),
+        Versus(8, "agentic", f16_echo, "ngram", PROSE, goal=1.3, agentic=True),
+        Cache(9, "4 turns to ~2000 tokens", f16, system_tokens=400, turns=4, question_tokens=380),
+        Cache(10, "4 streams", f16, system_tokens=1500, streams=4),
+        Versus(11, "trained pair", KJV_TARGET, "draft", KJV, draft=KJV_DRAFT, extra=("ngram",)),
     ]
 
 
@@ -146,6 +212,10 @@ def quick() -> list[Scenario]:
         Oracle(targets=(tiny,), alphas=(0.6,), name="controlled acceptance, checkpoint + replay", ring=False),
         Streams(tiny, streams=4),
         Service(tiny),
+        Versus(8, "agentic", tiny_echo, "ngram", PROSE, goal=1.3, agentic=True),
+        Cache(9, "3 turns", tiny, system_tokens=120, turns=3, question_tokens=40),
+        Cache(10, "2 streams", tiny, system_tokens=120, streams=2),
+        Versus(11, "trained pair", KJV_TARGET, "draft", KJV, draft=KJV_DRAFT, extra=("ngram",)),
     ]
 
 

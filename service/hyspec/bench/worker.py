@@ -40,6 +40,7 @@ class WorkerConfig:
     adaptive_draft: bool = True  # the engine's default; False drafts draft_max tokens every step
     oracle: bool = False  # plug the controlled-acceptance drafter in as the n-gram mode
     rs_snapshots: int | None = None  # hybrid rollback: None the engine's default (a snapshot ring), 0 checkpoints
+    prefix_cache_mb: int = 0  # the prefix cache: off unless a scenario measures it
 
 
 # -- the child ----------------------------------------------------------------------------------
@@ -82,6 +83,7 @@ class _Timers:
 def _serve(config: WorkerConfig, stdin: IO[str], stdout: IO[str]) -> None:
     from hyspec.drafters import Drafter
     from hyspec.drafters.oracle import OracleDrafter
+    from hyspec.drafters.suffix import SharedIndex, SuffixDrafter
     from hyspec.engine import Engine, EngineConfig
     from hyspec.types import GenerationRequest, SpecMode, SpecParams
 
@@ -94,12 +96,17 @@ def _serve(config: WorkerConfig, stdin: IO[str], stdout: IO[str]) -> None:
     engine_config = EngineConfig(model=Path(config.model), draft=Path(config.draft) if config.draft else None,
                                  spec=SpecMode.OFF, draft_max=config.draft_max, adaptive_draft=config.adaptive_draft,
                                  rs_snapshots=config.rs_snapshots, slots=config.slots, ctx=config.ctx,
-                                 threads=config.threads, batch=config.batch, max_queue=64)
+                                 threads=config.threads, batch=config.batch, max_queue=64,
+                                 prefix_cache_mb=config.prefix_cache_mb)
     if config.oracle:
         oracle = OracleDrafter()
         overrides[SpecMode.NGRAM] = oracle
     engine = Engine(engine_config, drafter_overrides=overrides)
     engine.warmup()
+    # Each mode learns from its own earlier requests only, as a server of its own would: a mode
+    # run after another on the same prompt must not find that run's output in the shared index.
+    suffix = engine.speculator.suffix
+    indexes: dict[str, SharedIndex] = {}
     timers = _Timers()
     timers.wrap(engine.scheduler.rollback, "checkpoint", "checkpoint")
     timers.wrap(engine.scheduler.rollback, "truncate", "restore")
@@ -113,7 +120,9 @@ def _serve(config: WorkerConfig, stdin: IO[str], stdout: IO[str]) -> None:
         op = cmd["op"]
         try:
             if op == "tokenize":
-                reply({"ok": True, "tokens": engine.tokenize(cmd["text"])})
+                reply({"ok": True, "tokens": engine.tokenize(cmd["text"], add_special=cmd.get("add_special", True))})
+            elif op == "detokenize":
+                reply({"ok": True, "text": engine.detokenize(cmd["tokens"])})
             elif op == "reference":
                 assert oracle is not None, "the worker was started without the oracle drafter"
                 oracle.add_reference(cmd["prompt"], cmd["tokens"])
@@ -126,6 +135,8 @@ def _serve(config: WorkerConfig, stdin: IO[str], stdout: IO[str]) -> None:
                 requests = [GenerationRequest(token_ids=r["prompt"], max_tokens=r["max_tokens"], ignore_eos=True,
                                               spec=SpecParams(mode=SpecMode(r["spec"]), draft_max=r["draft_max"]))
                             for r in cmd["requests"]]
+                if isinstance(suffix, SuffixDrafter):
+                    suffix.shared = indexes.setdefault(cmd["requests"][0]["spec"], SharedIndex())
                 timers.reset()
                 t0 = time.perf_counter()
                 handles = [engine.submit(request) for request in requests]
@@ -136,7 +147,7 @@ def _serve(config: WorkerConfig, stdin: IO[str], stdout: IO[str]) -> None:
                     runs.append(asdict(Run(tokens=result.token_ids, tokens_per_second=s.tokens_per_second,
                                            ttft_ms=s.ttft_ms, drafted=s.drafted, accepted=s.accepted,
                                            rollbacks=s.rollbacks, replayed=s.replayed_tokens,
-                                           wall_s=time.perf_counter() - t0)))
+                                           wall_s=time.perf_counter() - t0, cached_tokens=s.cached_tokens)))
                 wall = time.perf_counter() - t0
                 reply({"ok": True, "runs": runs, "wall_s": wall, "timers": timers.snapshot()})
             elif op == "quit":
@@ -205,8 +216,11 @@ class HyspecWorker(ManagedProcess):
             raise WorkerError(f"hyspec worker: {op} failed: {msg.get('error')}")
         return msg
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.call("tokenize", text=text)["tokens"]
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.call("tokenize", text=text, add_special=add_special)["tokens"]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.call("detokenize", tokens=tokens)["text"]
 
     def run(self, prompts: list[list[int]], *, max_tokens: int, spec: str, draft_max: int) -> Batch:
         """Run the prompts concurrently (one request each) and wait for all of them."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hyspec.draft_policy import expected_gain
 from hyspec.drafters import Draft, DraftItem
@@ -138,6 +138,14 @@ def _size(node: _Node) -> int:
 
 
 @dataclass
+class SharedIndex:
+    """Earlier requests' text in one tree, and each request's tokens, oldest first (to evict)."""
+
+    tree: SuffixTree = field(default_factory=SuffixTree)
+    kept: deque[list[int]] = field(default_factory=deque)
+
+
+@dataclass
 class _Request:
     tree: SuffixTree
     tokens: list[int]  # what the tree holds, in order
@@ -151,13 +159,12 @@ class SuffixDrafter:
 
     def __init__(self, cache_bytes: int = 64 << 20) -> None:
         self.cache_bytes = cache_bytes
-        self.shared = SuffixTree()
-        self._kept: deque[list[int]] = deque()  # what the shared tree holds, oldest first
+        self.shared = SharedIndex()
         self._requests: dict[int, _Request] = {}
 
     @property
     def bytes_used(self) -> int:
-        return NODE_BYTES * (self.shared.nodes + sum(r.tree.nodes for r in self._requests.values()))
+        return NODE_BYTES * (self.shared.tree.nodes + sum(r.tree.nodes for r in self._requests.values()))
 
     def propose(self, items: list[DraftItem]) -> list[Draft]:
         return [self._draft(item) for item in items]
@@ -167,7 +174,7 @@ class SuffixDrafter:
         if item.max_len <= 0:
             return Draft([])
         own = request.tree.draft(item.history, item.max_len)
-        shared = self.shared.draft(item.history, item.max_len)
+        shared = self.shared.tree.draft(item.history, item.max_len)
         return max(own, shared, key=lambda d: expected_gain(d.confidence or [])[-1])
 
     def _index(self, item: DraftItem) -> _Request:
@@ -188,8 +195,8 @@ class SuffixDrafter:
             return
         kept = request.tokens[max(0, request.n_prompt - PROMPT_TAIL):]
         if len(kept) > PROMPT_TAIL:
-            self.shared.insert(kept)
-            self._kept.append(kept)
-        while self._kept and self.bytes_used > self.cache_bytes:
-            self.shared.remove(self._kept.popleft())
+            self.shared.tree.insert(kept)
+            self.shared.kept.append(kept)
+        while self.shared.kept and self.bytes_used > self.cache_bytes:
+            self.shared.tree.remove(self.shared.kept.popleft())
 
