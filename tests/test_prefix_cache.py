@@ -115,6 +115,21 @@ def test_speculation_on_a_cached_prefix_is_exact(target: Path, tiny_lfm2_q8: Pat
         same_as_fresh(fresh, target, prompt, got, mode)
 
 
+def test_chat_turns_hit_the_cache(target: Path, make_engine: Factory) -> None:
+    """Turn 2's rendered template starts with turn 1's prompt (and, as far as its text
+    re-tokenizes alike, its answer): it resumes from the cache, with a fresh engine's output."""
+    engine, fresh = make_engine(target, slots=1), make_engine(target, slots=1, prefix_cache_mb=0)
+    chat = [{"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Name a colour of the sky at dusk, and a fruit of the same colour."}]
+    first = engine.generate(GenerationRequest(chat=chat, max_tokens=8, ignore_eos=True))
+    prompt1 = engine._prompt(GenerationRequest(chat=chat))
+    chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And a flower?"}]
+    second = engine.generate(GenerationRequest(chat=chat, max_tokens=8, ignore_eos=True))
+    prompt2 = engine._prompt(GenerationRequest(chat=chat))
+    assert prompt2[:len(prompt1)] == prompt1 and second.stats.cached_tokens >= len(prompt1)
+    same_as_fresh(fresh, target, prompt2, second)
+
+
 def test_two_slots_share_a_cached_prefix_at_once(target: Path, make_engine: Factory) -> None:
     engine, fresh = make_engine(target, slots=2), make_engine(target, slots=1, prefix_cache_mb=0)
     run(engine, P1, 4)

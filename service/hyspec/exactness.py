@@ -41,7 +41,7 @@ from hyspec.types import BatchShape, SamplingParams, Trace
 TIE_EPSILON = 0.02  # logits: a greedy margin this small is a tie whatever the shapes
 CDF_EPSILON = 1e-4  # probability: a draw this close to the boundary is a tie whatever the shapes
 N_BATCH = 512
-NOISE_MARGIN = 2.0  # sampled draws: the measured noise is a sample's maximum, not a bound
+NOISE_MARGIN = 2.0  # the measured noise is a sample's maximum, not a bound
 SCATTER_SEEDS = (1, 2, 3, 4, 5, 6)  # replays with the sequence's cells spread out, besides the contiguous one
 # Without a record: a verify of 2, 5 and 9 tokens with the position first or last, and the
 # same inside busy steps.
@@ -299,12 +299,12 @@ class _Judge:
             moved_ids, moved_logits = self._candidates(ctx)
             if int(moved_ids[_select(moved_ids, moved_logits, draw)]) == got:
                 return Tie(index, plain, got, gap, noise, True)
+        # The engine's own cell layout is one more draw of the noise the replays sampled: allow
+        # twice their largest (a wrong state moves logits by whole units, not hundredths).
+        noise *= NOISE_MARGIN
         if draw is None:
             return Tie(index, plain, got, gap, noise, gap <= max(TIE_EPSILON, noise))
-        # The engine's own cell layout is one more draw of the noise the replays sampled: allow
-        # twice their largest. The chain divides logits by the temperature (penalties only
-        # shrink them further).
-        noise *= NOISE_MARGIN
+        # The chain divides logits by the temperature (penalties only shrink them further).
         edge = _edge_mass(raw, ids, logits, noise, self.temperature)
         bound = _cdf_bound(logits, a, b, noise / self.temperature, edge)
         return Tie(index, plain, got, gap, noise, gap <= max(CDF_EPSILON, bound))

@@ -206,7 +206,7 @@ class Runner:
         result = Result("versus", sc.number, sc.name, sc.target.label, sc.spec, goal=sc.goal,
                         draft=sc.draft.label if sc.draft else None)
         hyspec = {mode: result.sides.setdefault(side_name(HYSPEC, mode, sc.spec), Side()) for mode in sc.modes}
-        llama = {peer: result.sides.setdefault(side_name(LLAMA, peer, sc.peers[0]), Side()) for peer in sc.peers}
+        llama = {peer: result.sides.setdefault(side_name(LLAMA, peer, sc.spec), Side()) for peer in sc.peers}
         with contextlib.ExitStack() as stack:
             worker = self._worker(self._worker_config(sc.target, sc.draft))
             stack.callback(worker.stop)
