@@ -48,9 +48,11 @@ def run(engine: Engine, prompt: list[int], n: int = 12, mode: SpecMode = SpecMod
 
 
 def same_as_fresh(fresh: Engine, model: Path, prompt: list[int], got: Result, mode: SpecMode = SpecMode.OFF) -> None:
+    """``got`` (from a cached prefix) is the plain run's, as a fresh engine's output is; the two
+    may differ only where each took the other side of a near-tie of the plain run (a prefix
+    decoded in other batch shapes moves logits by float noise)."""
     expected = run(fresh, prompt, len(got.token_ids), mode)
-    assert got.token_ids == expected.token_ids
-    assert_plain(model, prompt, got)
+    assert_plain(model, prompt, got, expected)
 
 
 def test_hit_partial_hit_and_miss(target: Path, make_engine: Factory) -> None:
