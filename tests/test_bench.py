@@ -17,7 +17,7 @@ import pytest
 from hyspec.bench.peer import default_binary
 
 MAX_TOKENS = 32
-PAIRS = 3
+PAIRS = 2
 
 
 @pytest.fixture(scope="module")

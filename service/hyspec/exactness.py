@@ -277,12 +277,20 @@ class _Judge:
             return np.arange(len(logits), dtype=np.int32), logits
         return self.sampler.candidates(ctx, 0)
 
+    def _chooses(self, ctx: Context, draw: float | None, token: int) -> bool:
+        """Does the chain, with the same draw, pick ``token`` from ``ctx``'s logits?"""
+        ids, logits = self._candidates(ctx)
+        return int(ids[_select(ids, logits, draw)]) == token
+
     def __call__(self, walk: Context, index: int, plain: int, got: int, draw: float | None,
                  allow_ties: bool) -> Tie:
         ids, logits = self._candidates(walk)
         position = {int(t): k for k, t in enumerate(ids)}
-        if got not in position:  # the chain cut the token (top-k/top-p/min-p) in the plain run
-            return Tie(index, plain, got, float("inf"), 0.0, False)
+        if got not in position:
+            # The chain cut the token (top-k/top-p/min-p) in the plain run: a tie only if the
+            # shapes that decoded it move the cut (a draw far in a flat tail meets that).
+            cut_moved = allow_ties and any(self._chooses(ctx, draw, got) for ctx in self._recomputed(index))
+            return Tie(index, plain, got, float("inf"), 0.0, cut_moved)
         a, b = position[plain], position[got]
         gap = float(logits[a] - logits[b]) if draw is None else _draw_distance(logits, draw, b)
         if not allow_ties:
@@ -296,8 +304,7 @@ class _Judge:
         for ctx in self._recomputed(index):
             delta = ctx.logits(0)[watched] - raw[watched]
             noise = max(noise, float(delta.max() - delta.min()))
-            moved_ids, moved_logits = self._candidates(ctx)
-            if int(moved_ids[_select(moved_ids, moved_logits, draw)]) == got:
+            if self._chooses(ctx, draw, got):
                 return Tie(index, plain, got, gap, noise, True)
         # The engine's own cell layout is one more draw of the noise the replays sampled: allow
         # twice their largest (a wrong state moves logits by whole units, not hundredths).
