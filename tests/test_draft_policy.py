@@ -11,9 +11,11 @@ from hyspec.types import SpecMode
 
 
 def costs(step: float = 0.100, per_token: float = 0.0005, draft_token: float = 0.0, rollback: float = 0.0) -> Costs:
+    """A decode pass that grows linearly with its tokens."""
     c = Costs()
-    c.decoded(step, 1, 1)
-    c.per_token, c.draft_token, c.rollback = per_token, draft_token, rollback
+    c.decoded(step, [1])
+    c.decoded(step + 16 * per_token, [17])
+    c.draft_token, c.rollback = draft_token, rollback
     return c
 
 
@@ -21,7 +23,7 @@ def length(chances: list[float], c: Costs, n_slots: int = 1, **kwargs: bool) -> 
     policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
     policy.costs = c
     options = {"draft_model": False, "own_pass": False, "rollback": False, **kwargs}
-    return best_length(chances, c, rate=policy.rate(n_slots), **options)[0]
+    return best_length(chances, c, rate=policy.rate(n_slots), base=n_slots, **options)[0]
 
 
 def test_expected_gain_is_the_chance_of_each_prefix() -> None:
@@ -53,7 +55,31 @@ def test_busy_steps_need_likelier_drafts() -> None:
 
 
 def test_unknown_costs_mean_no_drafting() -> None:
-    assert best_length([0.99] * 4, Costs(), rate=1.0, draft_model=False, own_pass=False, rollback=False) == (0, 0.0)
+    assert best_length([0.99] * 4, Costs(), rate=1.0, base=1, draft_model=False, own_pass=False,
+                       rollback=False) == (0, 0.0)
+
+
+def test_a_pass_is_costed_by_its_width_between_and_beyond_the_widths_seen() -> None:
+    c = Costs()
+    c.decoded(0.010, [1])
+    c.decoded(0.020, [2])
+    c.decoded(0.024, [10])
+    assert c.pass_time(1) == 0.010 and c.pass_time(6) == pytest.approx(0.022)
+    assert c.pass_time(18) == pytest.approx(0.028)  # the last slope goes on
+    c.decoded(0.066, [2, 10])  # two passes: shared as predicted, 0.020 : 0.024
+    assert c.pass_time(2) == pytest.approx(0.8 * 0.020 + 0.2 * 0.030)
+    assert c.pass_time(10) == pytest.approx(0.8 * 0.024 + 0.2 * 0.036)
+
+
+def test_a_costly_second_token_rules_out_short_drafts_but_not_long_likely_ones() -> None:
+    """On a CPU the second token of a pass can cost most of a weight pass, the next few little:
+    a one-token draft does not pay there, eight very likely ones do, eight even odds do not."""
+    c = Costs()
+    for width, seconds in ((1, 0.030), (2, 0.058), (3, 0.062), (9, 0.085)):
+        c.decoded(seconds, [width])
+    assert length([0.9], c) == 0
+    assert length([0.9] * 8, c) == 8
+    assert length([0.5] * 8, c) == 0
 
 
 def test_acceptance_is_per_position_and_starts_from_the_prior() -> None:
@@ -136,3 +162,22 @@ def test_fixed_modes_use_their_drafter_at_full_length_when_not_adaptive(mode: Sp
     request = DraftRequest(0, [1, 2, 3], 2, mode, 8, 0, False, SlotRecord())
     proposal = spec.propose([request], 1)[0]
     assert len(proposal.tokens) == 8 and proposal.choice.drafter == (SUFFIX if mode is SpecMode.NGRAM else DRAFT_MODEL)
+
+
+def test_a_free_drafter_that_cannot_tell_its_confidence_is_probed_with_its_whole_draft() -> None:
+    """Without a confidence per draft only its record says whether it pays: a record gone low
+    is tested now and then with the whole (free) draft, and a good probe brings drafting back."""
+    suffix = _Fixed([7] * 8, None)
+    policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
+    policy.costs = costs(per_token=0.01)
+    policy.record(SUFFIX).prior = 0.05
+    spec = Speculator({SpecMode.NGRAM: suffix}, policy)  # type: ignore[dict-item]
+    record = SlotRecord()
+    steps = 0
+    while not (proposals := spec.propose([_request(record=record)], 1)):
+        steps += 1
+    proposal = proposals[0]
+    assert steps == SpeculationPolicy.PROBE_EVERY - 1 and proposal.choice.probe and proposal.tokens == [7] * 8
+    spec.verified(record, proposal.choice, 8, 8)
+    proposal = spec.propose([_request(record=record)], 1)[0]
+    assert not proposal.choice.probe and proposal.tokens == [7] * 8

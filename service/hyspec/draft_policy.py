@@ -3,8 +3,8 @@
 Every drafted token costs a verified position in the target's decode, the drafter's time and,
 when a rejection forces a restore on a hybrid target, a rollback; on a CPU that can cost more
 than the tokens it wins. ``Costs`` knows what this machine pays (calibrated at start-up, then
-refined by every step): a pass over the weights, each more token in a decode, a draft-model
-token and a rollback. ``Acceptance`` knows, per drafter, how often a drafted token at each
+refined by every step): a decode pass by its width in tokens, a draft-model token and a
+rollback. ``Acceptance`` knows, per drafter, how often a drafted token at each
 position was accepted given the ones before it, over every request so far (so a new request
 starts from experience, not optimism), and each slot blends that with its own record.
 
@@ -15,8 +15,11 @@ k of them yields on average
 
 and makes the step longer by
 
-    delay(k) = k per_token + k draft + (1 - a_1..a_k) rollback + (an extra weight pass when the
-               drafted tokens go in a ubatch of their own, as they do on a hybrid target)
+    delay(k) = pass(base + k) - pass(base) + k draft + (1 - a_1..a_k) rollback
+
+where pass(n) is a decode pass of n tokens and base the step's tokens without drafts (one per
+busy slot); when the drafted tokens go in a ubatch of their own, as they do on a hybrid target
+with several busy slots, the first term is a whole pass(k + 1).
 
 It pays when the tokens gained per second of delay beat the rate the step already produces
 (every busy slot's token per step time): ``best_length`` takes the k maximising
@@ -40,20 +43,53 @@ def _ema(old: float | None, new: float) -> float:
 
 @dataclass
 class Costs:
-    """What speculation costs on this machine, in seconds (shared by an engine's slots)."""
+    """What speculation costs on this machine, in seconds (shared by an engine's slots).
 
-    step: float | None = None  # a target decode of one token per busy slot, one weight pass
-    per_token: float = 0.0  # each more token in a decode
+    A decode's time is far from linear in its tokens on a CPU: going from one token to two can
+    cost most of a weight pass (matrix-vector kernels give way to matrix-matrix ones) while the
+    next few are nearly free, so a pass's time is kept per width (tokens in the ubatch) and
+    interpolated between the widths seen."""
+
+    passes: dict[int, float] = field(default_factory=dict)  # a one-ubatch decode's time by its tokens
     draft_token: float = 0.0  # a draft model's token (all slots drafting together share it)
     rollback: float = 0.0  # restoring a checkpoint and replaying, on a hybrid target
 
-    def decoded(self, seconds: float, n_tokens: int, n_passes: int) -> None:
-        """A target decode of ``n_tokens`` in ``n_passes`` ubatches."""
-        if self.step is None or n_tokens <= n_passes:
-            self.step = _ema(self.step, seconds / max(1, n_passes))
+    def decoded(self, seconds: float, ubatch_sizes: list[int]) -> None:
+        """A target decode made of ubatches of these sizes: each pass is credited its predicted
+        share of the time (a width is first learnt from one-pass decodes and the calibration)."""
+        predicted = [self.pass_time(n) for n in ubatch_sizes]
+        total = sum(predicted)
+        if len(ubatch_sizes) == 1 or total <= 0:
+            shares = [seconds / len(ubatch_sizes)] * len(ubatch_sizes)
         else:
-            extra = seconds - n_passes * self.step
-            self.per_token = max(0.0, _ema(self.per_token, extra / (n_tokens - n_passes)))
+            shares = [seconds * p / total for p in predicted]
+        for n, share in zip(ubatch_sizes, shares, strict=True):
+            self.passes[n] = _ema(self.passes.get(n), share)
+
+    def pass_time(self, n: int) -> float:
+        """A one-ubatch decode of ``n`` tokens: linear between the nearest widths seen, flat
+        below the narrowest and along the last known slope beyond the widest (0: none seen)."""
+        if n in self.passes:
+            return self.passes[n]
+        widths = sorted(self.passes)
+        if not widths:
+            return 0.0
+        above = next((w for w in widths if w > n), None)
+        below = [w for w in widths if w < n][-2:]
+        if above is None:
+            if len(below) < 2:
+                return self.passes[widths[-1]]
+            a, b = below
+        elif not below:
+            return self.passes[above]
+        else:
+            a, b = below[-1], above
+        slope = max(0.0, (self.passes[b] - self.passes[a]) / (b - a))
+        return self.passes[a] + slope * (n - a)
+
+    def extra(self, base: int, k: int) -> float:
+        """What ``k`` more tokens add to a pass of ``base`` tokens."""
+        return max(0.0, self.pass_time(base + k) - self.pass_time(base))
 
     def drafted(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
@@ -63,8 +99,13 @@ class Costs:
         self.rollback = _ema(self.rollback or None, seconds)
 
     @property
+    def step(self) -> float | None:
+        """A plain decode of one token: a weight pass."""
+        return self.passes.get(1)
+
+    @property
     def known(self) -> bool:
-        return self.step is not None and self.step > 0
+        return self.passes.get(1, 0.0) > 0
 
 
 @dataclass
@@ -81,14 +122,18 @@ class Acceptance:
             return min(MAX_ACCEPTANCE, self.accepted[position] / self.compared[position])
         return self.prior
 
-    def update(self, drafted: int, accepted: int, decay: float = 0.995) -> None:
-        """One verification: tokens after the first rejection were never compared."""
-        for i in range(min(drafted, accepted + 1)):
+    def update(self, drafted: int, accepted: int, decay: float = 0.98) -> None:
+        """One verification: tokens after the first rejection were never compared. Older
+        observations fade by ``decay`` per token compared, so the record follows what the
+        drafter does now (a verification of eight tokens says more than one of a single token)."""
+        compared = min(drafted, accepted + 1)
+        fade = decay ** compared
+        for i in range(compared):
             while len(self.compared) <= i:
                 self.compared.append(0.0)
                 self.accepted.append(0.0)
-            self.compared[i] = decay * self.compared[i] + 1.0
-            self.accepted[i] = decay * self.accepted[i] + (1.0 if i < accepted else 0.0)
+            self.compared[i] = fade * self.compared[i] + 1.0
+            self.accepted[i] = fade * self.accepted[i] + (1.0 if i < accepted else 0.0)
 
 
 @dataclass
@@ -131,21 +176,21 @@ def expected_gain(chances: list[float]) -> list[float]:
     return gain
 
 
-def best_length(chances: list[float], costs: Costs, *, rate: float, draft_model: bool, own_pass: bool,
+def best_length(chances: list[float], costs: Costs, *, rate: float, base: int, draft_model: bool, own_pass: bool,
                 rollback: bool) -> tuple[int, float]:
     """The draft length (0..len(chances)) that maximises the expected tokens gained minus what
     the longer step costs at ``rate`` tokens per second, and that value (0 for k = 0).
-    ``draft_model``: each token costs a draft-model step; ``own_pass``: drafting puts this slot
-    in an extra ubatch (a weight pass); ``rollback``: a rejection costs a restore and a replay."""
+    ``base``: the tokens of the step's pass without drafts (one per busy slot); ``draft_model``:
+    each token costs a draft-model step; ``own_pass``: drafting puts this slot in a ubatch of its
+    own (a weight pass); ``rollback``: a rejection costs a restore and a replay."""
     if not chances or not costs.known:
         return 0, 0.0
-    assert costs.step is not None
     best_k, best_value, gain, run = 0, 0.0, 0.0, 1.0
     for k in range(1, len(chances) + 1):
         run *= chances[k - 1]
         gain += run
-        delay = k * (costs.per_token + (costs.draft_token if draft_model else 0.0))
-        delay += costs.step if own_pass else 0.0
+        delay = costs.pass_time(k + 1) if own_pass else costs.extra(base, k)
+        delay += k * costs.draft_token if draft_model else 0.0
         delay += (1.0 - run) * costs.rollback if rollback else 0.0
         value = gain - rate * delay
         if value > best_value:
@@ -161,7 +206,7 @@ class Choice:
     length: int
     expected: float = 0.0  # expected accepted tokens
     value: float = 0.0  # expected tokens gained less the delay's worth in tokens
-    probe: bool = False  # a one-token try of a drafter that stopped paying
+    probe: bool = False  # a try of a drafter that stopped paying (its record must learn)
 
 
 class SpeculationPolicy:
@@ -183,8 +228,7 @@ class SpeculationPolicy:
 
     def rate(self, n_generating: int) -> float:
         """Tokens per second the busy slots produce without drafts."""
-        assert self.costs.step is not None
-        return n_generating / (self.costs.step + max(0, n_generating - 1) * self.costs.per_token)
+        return n_generating / self.costs.pass_time(max(1, n_generating))
 
     def choose(self, slot: SlotRecord, drafter: str, max_len: int, n_generating: int, *,
                confidence: list[float] | None = None, draft_model: bool = False) -> Choice:
@@ -195,7 +239,8 @@ class SpeculationPolicy:
         rates = [record.rate(i) for i in range(max_len)]
         chances = slot.chances(rates, confidence[:max_len] if confidence is not None else None,
                                self.calibration.get(drafter, 1.0))
-        k, value = best_length(chances, self.costs, rate=self.rate(n_generating), draft_model=draft_model,
+        k, value = best_length(chances, self.costs, rate=self.rate(n_generating), base=max(1, n_generating),
+                               draft_model=draft_model,
                                own_pass=self.hybrid and n_generating > 1, rollback=self.rollback_costs)
         return Choice(drafter, k, expected_gain(chances)[k], value)
 

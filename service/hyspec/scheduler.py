@@ -347,8 +347,9 @@ class Scheduler:
         for p in steps:
             p.slot.ring_pending = False
         if all(p.slot.generating for p in steps):
-            passes = len(split) if split is not None else -(-len(tokens) // self.n_batch)
-            self.costs.decoded(time.perf_counter() - started, len(tokens), passes)
+            sizes = [sum(n for _, n in u) for u in split] if split is not None else \
+                [min(self.n_batch, len(tokens) - i) for i in range(0, len(tokens), self.n_batch)]
+            self.costs.decoded(time.perf_counter() - started, sizes)
         argmax = self.ctx.argmax_all() if n_outputs else None
 
         total = len(tokens)

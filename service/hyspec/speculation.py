@@ -85,11 +85,16 @@ class Speculator:
                 options.append((choice, []))
             best = max(options, key=lambda o: o[0].value, default=None)
             if best is None or best[0].length < max(1, r.draft_min) or best[0].value <= 0:
-                # Nothing pays now; a drafter that stopped paying is tried now and then with one
-                # token, or its record could never learn that the text became predictable.
-                if self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1 \
-                        and self.policy.probe(r.record):
-                    model_wanted.append((r, Choice(DRAFT_MODEL, 1, probe=True)))
+                # Nothing pays now. A drafter that cannot say how sure it is of each draft is
+                # tried now and then, or its record could never learn that the text became
+                # predictable: the draft model with one token (each costs a step of it), a
+                # free drafter with its whole draft.
+                if r.adaptive and self.policy.probe(r.record):
+                    if draft is not None and draft.tokens and draft.confidence is None \
+                            and len(draft.tokens) >= r.draft_min:
+                        proposals[r.seq] = Proposal(Choice(SUFFIX, len(draft.tokens), probe=True), draft.tokens)
+                    elif self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1:
+                        model_wanted.append((r, Choice(DRAFT_MODEL, 1, probe=True)))
                 continue
             r.record.idle_steps = 0
             choice, tokens = best
@@ -131,10 +136,10 @@ class Speculator:
 
 
 def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, prompt: list[int],
-              model: Drafter | None) -> None:
-    """Measure what a decode, a verify, a draft-model token and a rollback cost here, on
-    sequence 0 of an idle context (cleared again), and how often the draft model agrees with
-    the target on a short greedy run from ``prompt``."""
+              model: Drafter | None, max_width: int) -> None:
+    """Measure what a decode pass of each verify width up to ``max_width`` tokens, a draft-model
+    token and a rollback cost here, on sequence 0 of an idle context (cleared again), and how
+    often the draft model agrees with the target on a short greedy run from ``prompt``."""
     costs = policy.costs
     ctx.memory_clear()
     try:
@@ -144,16 +149,17 @@ def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, pr
         for _ in range(12):  # plain steps: a weight pass
             started = time.perf_counter()
             ctx.decode([greedy[-1]], [pos], [0], [True])
-            costs.decoded(time.perf_counter() - started, 1, 1)
+            costs.decoded(time.perf_counter() - started, [1])
             greedy.append(int(ctx.argmax_all()[0]))
             pos += 1
-        width = min(9, ctx.n_batch)
-        filler = greedy[-width:]
-        for _ in range(3):  # verifies, all but one token rejected: each more token, a rollback
+        room = min(max_width, ctx.n_batch, ctx.n_ctx_seq - pos - 12)
+        widths = sorted({w for w in (2, 3, 5, 9, 17, max_width) if w <= room})
+        for width in [w for w in widths for _ in range(2)]:  # verifies, all but one token rejected
+            filler = (greedy * (width // len(greedy) + 1))[:width]
             checkpoint = rollback.checkpoint(0, pos, None, ring_unsafe=True)
             started = time.perf_counter()
             ctx.decode(filler, range(pos, pos + width), [0] * width, [True] * width)
-            costs.decoded(time.perf_counter() - started, width, 1)
+            costs.decoded(time.perf_counter() - started, [width])
             started = time.perf_counter()
             kept = rollback.truncate(0, pos + 1, checkpoint)
             if kept <= pos:  # restored: replay the accepted token, as a hybrid target does
