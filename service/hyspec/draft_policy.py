@@ -231,21 +231,22 @@ class SpeculationPolicy:
         return n_generating / self.costs.pass_time(max(1, n_generating))
 
     def choose(self, slot: SlotRecord, drafter: str, max_len: int, n_generating: int, *,
-               confidence: list[float] | None = None, draft_model: bool = False) -> Choice:
-        """The best length for ``drafter`` on this slot (0: not worth it)."""
+               confidence: list[float] | None = None, draft_model: bool = False, calibrated: bool = True) -> Choice:
+        """The best length for ``drafter`` on this slot (0: not worth it); ``calibrated``:
+        the drafter's confidence scaled by how well it has predicted so far."""
         if max_len <= 0 or not self.costs.known:
             return Choice(drafter, 0, 0.0)
         record = self.record(drafter)
         rates = [record.rate(i) for i in range(max_len)]
         chances = slot.chances(rates, confidence[:max_len] if confidence is not None else None,
-                               self.calibration.get(drafter, 1.0))
+                               self.calibration.get(drafter, 1.0) if calibrated else 1.0)
         k, value = best_length(chances, self.costs, rate=self.rate(n_generating), base=max(1, n_generating),
                                draft_model=draft_model,
                                own_pass=self.hybrid and n_generating > 1, rollback=self.rollback_costs)
         return Choice(drafter, k, expected_gain(chances)[k], value)
 
     def probe(self, slot: SlotRecord) -> bool:
-        """Whether a slot that drafts nothing should try one token now (a drafter's worth can
+        """Whether a slot that drafts nothing should try a drafter now (a drafter's worth can
         change within a request; without probes its record would never learn it)."""
         slot.idle_steps += 1
         if slot.idle_steps >= min(self.PROBE_EVERY << slot.failed_probes, self.MAX_PROBE_WAIT):

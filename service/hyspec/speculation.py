@@ -85,14 +85,14 @@ class Speculator:
                 options.append((choice, []))
             best = max(options, key=lambda o: o[0].value, default=None)
             if best is None or best[0].length < max(1, r.draft_min) or best[0].value <= 0:
-                # Nothing pays now. A drafter that cannot say how sure it is of each draft is
-                # tried now and then, or its record could never learn that the text became
-                # predictable: the draft model with one token (each costs a step of it), a
-                # free drafter with its whole draft.
+                # Nothing pays now. A drafter is still tried now and then, or its record (and
+                # the calibration of its confidence) could never learn that the text became
+                # predictable: the suffix drafter with what its uncalibrated confidence
+                # supports (all of it without one), else the draft model with one token.
                 if r.adaptive and self.policy.probe(r.record):
-                    if draft is not None and draft.tokens and draft.confidence is None \
-                            and len(draft.tokens) >= r.draft_min:
-                        proposals[r.seq] = Proposal(Choice(SUFFIX, len(draft.tokens), probe=True), draft.tokens)
+                    probe = self._suffix_probe(r, draft, n_generating)
+                    if probe is not None:
+                        proposals[r.seq] = probe
                     elif self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1:
                         model_wanted.append((r, Choice(DRAFT_MODEL, 1, probe=True)))
                 continue
@@ -104,6 +104,18 @@ class Speculator:
                 proposals[r.seq] = Proposal(choice, tokens)
         proposals.update(self._model(model_wanted))
         return proposals
+
+    def _suffix_probe(self, r: DraftRequest, draft: Draft | None, n_generating: int) -> Proposal | None:
+        if draft is None or not draft.tokens:
+            return None
+        if draft.confidence is None:
+            choice = Choice(SUFFIX, len(draft.tokens))
+        else:
+            choice = self.policy.choose(r.record, SUFFIX, len(draft.tokens), n_generating,
+                                        confidence=draft.confidence, calibrated=False)
+        if choice.length < max(1, r.draft_min):
+            return None
+        return Proposal(Choice(SUFFIX, choice.length, choice.expected, probe=True), draft.tokens[:choice.length])
 
     def _suffix(self, requests: list[DraftRequest]) -> dict[int, Draft]:
         if self.suffix is None or not requests:
