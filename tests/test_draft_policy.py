@@ -181,3 +181,19 @@ def test_a_free_drafter_that_cannot_tell_its_confidence_is_probed_with_its_whole
     spec.verified(record, proposal.choice, 8, 8)
     proposal = spec.propose([_request(record=record)], 1)[0]
     assert not proposal.choice.probe and proposal.tokens == [7] * 8
+
+
+def test_a_confident_drafter_whose_calibration_collapsed_is_probed_and_recovers() -> None:
+    suffix = _Fixed([7] * 8, [0.95] * 8)
+    policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
+    policy.costs = costs(per_token=0.03)
+    policy.calibration[SUFFIX] = 0.2  # after a run of unlucky drafts
+    spec = Speculator({SpecMode.NGRAM: suffix}, policy)  # type: ignore[dict-item]
+    record = SlotRecord()
+    steps = 0
+    while not (proposals := spec.propose([_request(record=record)], 1)):
+        steps += 1
+    probe = proposals[0]
+    assert steps == SpeculationPolicy.PROBE_EVERY - 1 and probe.choice.probe and probe.choice.expected > 0
+    spec.verified(record, probe.choice, len(probe.tokens), len(probe.tokens))
+    assert policy.calibration[SUFFIX] > 0.2
