@@ -30,6 +30,7 @@ likely to be accepted to be worth its place in the batch.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 _WEIGHT = 0.2  # of a new measurement in the running cost estimates
@@ -53,6 +54,7 @@ class Costs:
     passes: dict[int, float] = field(default_factory=dict)  # a one-ubatch decode's time by its tokens
     draft_token: float = 0.0  # a draft model's token (all slots drafting together share it)
     rollback: float = 0.0  # restoring a checkpoint and replaying, on a hybrid target
+    _widths: list[int] = field(default_factory=list, repr=False)  # sorted keys of passes
 
     def decoded(self, seconds: float, ubatch_sizes: list[int]) -> None:
         """A target decode made of ubatches of these sizes: each pass is credited its predicted
@@ -64,18 +66,22 @@ class Costs:
         else:
             shares = [seconds * p / total for p in predicted]
         for n, share in zip(ubatch_sizes, shares, strict=True):
+            if n not in self.passes:
+                bisect.insort(self._widths, n)
             self.passes[n] = _ema(self.passes.get(n), share)
 
     def pass_time(self, n: int) -> float:
         """A one-ubatch decode of ``n`` tokens: linear between the nearest widths seen, flat
         below the narrowest and along the last known slope beyond the widest (0: none seen)."""
-        if n in self.passes:
-            return self.passes[n]
-        widths = sorted(self.passes)
+        known = self.passes.get(n)
+        if known is not None:
+            return known
+        widths = self._widths
         if not widths:
             return 0.0
-        above = next((w for w in widths if w > n), None)
-        below = [w for w in widths if w < n][-2:]
+        i = bisect.bisect(widths, n)
+        above = widths[i] if i < len(widths) else None
+        below = widths[max(0, i - 2):i]
         if above is None:
             if len(below) < 2:
                 return self.passes[widths[-1]]
@@ -86,10 +92,6 @@ class Costs:
             a, b = below[-1], above
         slope = max(0.0, (self.passes[b] - self.passes[a]) / (b - a))
         return self.passes[a] + slope * (n - a)
-
-    def extra(self, base: int, k: int) -> float:
-        """What ``k`` more tokens add to a pass of ``base`` tokens."""
-        return max(0.0, self.pass_time(base + k) - self.pass_time(base))
 
     def drafted(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
@@ -144,6 +146,9 @@ class SlotRecord:
     compared: float = 0.0
     idle_steps: int = 0
     failed_probes: int = 0
+    # Drafters without a confidence that chose 0 tokens, and for what (max_len, busy slots):
+    # their inputs change only with observations, so the choice stands for a few steps.
+    declined: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def chances(self, global_rates: list[float], confidence: list[float] | None, calibration: float) -> list[float]:
         """The chance each drafted token is accepted: the drafter's own confidence where it has
@@ -185,11 +190,13 @@ def best_length(chances: list[float], costs: Costs, *, rate: float, base: int, d
     own (a weight pass); ``rollback``: a rejection costs a restore and a replay."""
     if not chances or not costs.known:
         return 0, 0.0
+    start = 1 if own_pass else base
+    passes = [costs.pass_time(start + k) for k in range(len(chances) + 1)]
     best_k, best_value, gain, run = 0, 0.0, 0.0, 1.0
     for k in range(1, len(chances) + 1):
         run *= chances[k - 1]
         gain += run
-        delay = costs.pass_time(k + 1) if own_pass else costs.extra(base, k)
+        delay = passes[k] if own_pass else max(0.0, passes[k] - passes[0])
         delay += k * costs.draft_token if draft_model else 0.0
         delay += (1.0 - run) * costs.rollback if rollback else 0.0
         value = gain - rate * delay
@@ -214,6 +221,7 @@ class SpeculationPolicy:
     drafter and length per slot and step (``--spec auto``, and the adaptive length of a fixed mode)."""
 
     PROBE_EVERY = 16  # steps between probes of a drafter that stopped paying (doubles per failure)
+    RECHECK_EVERY = 4  # idle steps a declined drafter's choice stands unless an observation came
     MAX_PROBE_WAIT = 512
 
     def __init__(self, *, hybrid: bool, rollback_costs: bool) -> None:
@@ -236,6 +244,9 @@ class SpeculationPolicy:
         the drafter's confidence scaled by how well it has predicted so far."""
         if max_len <= 0 or not self.costs.known:
             return Choice(drafter, 0, 0.0)
+        if confidence is None and slot.declined.get(drafter) == (max_len, n_generating) \
+                and slot.idle_steps % self.RECHECK_EVERY:
+            return Choice(drafter, 0, 0.0)  # on a tiny target the full choice is a tenth of a step
         record = self.record(drafter)
         rates = [record.rate(i) for i in range(max_len)]
         chances = slot.chances(rates, confidence[:max_len] if confidence is not None else None,
@@ -243,6 +254,10 @@ class SpeculationPolicy:
         k, value = best_length(chances, self.costs, rate=self.rate(n_generating), base=max(1, n_generating),
                                draft_model=draft_model,
                                own_pass=self.hybrid and n_generating > 1, rollback=self.rollback_costs)
+        if confidence is None and k == 0:
+            slot.declined[drafter] = (max_len, n_generating)
+        else:
+            slot.declined.pop(drafter, None)
         return Choice(drafter, k, expected_gain(chances)[k], value)
 
     def probe(self, slot: SlotRecord) -> bool:
@@ -260,6 +275,7 @@ class SpeculationPolicy:
             return
         self.record(choice.drafter).update(choice.length, accepted)
         slot.update(choice.length, accepted)
+        slot.declined.clear()
         if choice.expected > 0:
             ratio = min(1.5, max(0.2, accepted / choice.expected))
             self.calibration[choice.drafter] = _ema(self.calibration.get(choice.drafter), ratio)
