@@ -197,3 +197,11 @@ def test_a_confident_drafter_whose_calibration_collapsed_is_probed_and_recovers(
     assert steps == SpeculationPolicy.PROBE_EVERY - 1 and probe.choice.probe and probe.choice.expected > 0
     spec.verified(record, probe.choice, len(probe.tokens), len(probe.tokens))
     assert policy.calibration[SUFFIX] > 0.2
+
+
+def test_a_draft_model_that_could_not_pay_even_if_always_right_is_never_probed() -> None:
+    suffix, model = _Fixed([], None), _Fixed([9] * 8, None)
+    spec = _speculator(suffix, model, costs(draft_token=0.1), model_prior=0.5)
+    record = SlotRecord()
+    assert all(spec.propose([_request(record=record)], 1) == {} for _ in range(200))
+    assert model.calls == 0

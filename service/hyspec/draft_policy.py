@@ -260,6 +260,18 @@ class SpeculationPolicy:
             slot.declined.pop(drafter, None)
         return Choice(drafter, k, expected_gain(chances)[k], value)
 
+    def could_pay(self, max_len: int, n_generating: int, *, draft_model: bool) -> bool:
+        """Whether drafts accepted as surely as any ever are would pay: a probe can at best
+        show that acceptance is high, so where even that would not pay (a draft model nearly
+        as slow as the target) probing is waste (on top of the draft model catching up on
+        every token since it last drafted)."""
+        if max_len <= 0 or not self.costs.known:
+            return False
+        k, _ = best_length([MAX_ACCEPTANCE] * max_len, self.costs, rate=self.rate(n_generating),
+                           base=max(1, n_generating), draft_model=draft_model,
+                           own_pass=self.hybrid and n_generating > 1, rollback=self.rollback_costs)
+        return k > 0
+
     def probe(self, slot: SlotRecord) -> bool:
         """Whether a slot that drafts nothing should try a drafter now (a drafter's worth can
         change within a request; without probes its record would never learn it)."""

@@ -93,7 +93,8 @@ class Speculator:
                     probe = self._suffix_probe(r, draft, n_generating)
                     if probe is not None:
                         proposals[r.seq] = probe
-                    elif self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1:
+                    elif self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1 \
+                            and self.policy.could_pay(r.max_len, n_generating, draft_model=True):
                         model_wanted.append((r, Choice(DRAFT_MODEL, 1, probe=True)))
                 continue
             r.record.idle_steps = 0
