@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hyspec.draft_policy import Acceptance, Costs, SlotRecord, SpeculationPolicy, best_length, expected_gain
 from hyspec.drafters import Draft, DraftItem
-from hyspec.speculation import DRAFT_MODEL, SUFFIX, DraftRequest, Speculator
+from hyspec.speculation import DRAFT_MODEL, SUFFIX, DraftRequest, Proposal, Speculator
 from hyspec.types import SpecMode
 
 
@@ -164,19 +164,27 @@ def test_fixed_modes_use_their_drafter_at_full_length_when_not_adaptive(mode: Sp
     assert len(proposal.tokens) == 8 and proposal.choice.drafter == (SUFFIX if mode is SpecMode.NGRAM else DRAFT_MODEL)
 
 
-def test_a_free_drafter_that_cannot_tell_its_confidence_is_probed_with_its_whole_draft() -> None:
-    """Without a confidence per draft only its record says whether it pays: a record gone low
-    is tested now and then with the whole (free) draft, and a good probe brings drafting back."""
-    suffix = _Fixed([7] * 8, None)
+def _suffix_only(suffix: _Fixed, per_token: float) -> tuple[Speculator, SpeculationPolicy]:
     policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
-    policy.costs = costs(per_token=0.01)
-    policy.record(SUFFIX).prior = 0.05
-    spec = Speculator({SpecMode.NGRAM: suffix}, policy)  # type: ignore[dict-item]
-    record = SlotRecord()
+    policy.costs = costs(per_token=per_token)
+    return Speculator({SpecMode.NGRAM: suffix}, policy), policy  # type: ignore[dict-item]
+
+
+def _first_proposal(spec: Speculator, record: SlotRecord) -> tuple[int, Proposal]:
+    """Steps that drafted nothing before the first one that did, and its proposal."""
     steps = 0
     while not (proposals := spec.propose([_request(record=record)], 1)):
         steps += 1
-    proposal = proposals[0]
+    return steps, proposals[0]
+
+
+def test_a_free_drafter_that_cannot_tell_its_confidence_is_probed_with_its_whole_draft() -> None:
+    """Without a confidence per draft only its record says whether it pays: a record gone low
+    is tested now and then with the whole (free) draft, and a good probe brings drafting back."""
+    spec, policy = _suffix_only(_Fixed([7] * 8, None), per_token=0.01)
+    policy.record(SUFFIX).prior = 0.05
+    record = SlotRecord()
+    steps, proposal = _first_proposal(spec, record)
     assert steps == SpeculationPolicy.PROBE_EVERY - 1 and proposal.choice.probe and proposal.tokens == [7] * 8
     spec.verified(record, proposal.choice, 8, 8)
     proposal = spec.propose([_request(record=record)], 1)[0]
@@ -184,16 +192,10 @@ def test_a_free_drafter_that_cannot_tell_its_confidence_is_probed_with_its_whole
 
 
 def test_a_confident_drafter_whose_calibration_collapsed_is_probed_and_recovers() -> None:
-    suffix = _Fixed([7] * 8, [0.95] * 8)
-    policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
-    policy.costs = costs(per_token=0.03)
+    spec, policy = _suffix_only(_Fixed([7] * 8, [0.95] * 8), per_token=0.03)
     policy.calibration[SUFFIX] = 0.2  # after a run of unlucky drafts
-    spec = Speculator({SpecMode.NGRAM: suffix}, policy)  # type: ignore[dict-item]
     record = SlotRecord()
-    steps = 0
-    while not (proposals := spec.propose([_request(record=record)], 1)):
-        steps += 1
-    probe = proposals[0]
+    steps, probe = _first_proposal(spec, record)
     assert steps == SpeculationPolicy.PROBE_EVERY - 1 and probe.choice.probe and probe.choice.expected > 0
     spec.verified(record, probe.choice, len(probe.tokens), len(probe.tokens))
     assert policy.calibration[SUFFIX] > 0.2

@@ -101,11 +101,6 @@ class Costs:
         self.rollback = _ema(self.rollback or None, seconds)
 
     @property
-    def step(self) -> float | None:
-        """A plain decode of one token: a weight pass."""
-        return self.passes.get(1)
-
-    @property
     def known(self) -> bool:
         return self.passes.get(1, 0.0) > 0
 
@@ -251,9 +246,7 @@ class SpeculationPolicy:
         rates = [record.rate(i) for i in range(max_len)]
         chances = slot.chances(rates, confidence[:max_len] if confidence is not None else None,
                                self.calibration.get(drafter, 1.0) if calibrated else 1.0)
-        k, value = best_length(chances, self.costs, rate=self.rate(n_generating), base=max(1, n_generating),
-                               draft_model=draft_model,
-                               own_pass=self.hybrid and n_generating > 1, rollback=self.rollback_costs)
+        k, value = self._best_length(chances, n_generating, draft_model=draft_model)
         if confidence is None and k == 0:
             slot.declined[drafter] = (max_len, n_generating)
         else:
@@ -267,10 +260,13 @@ class SpeculationPolicy:
         every token since it last drafted)."""
         if max_len <= 0 or not self.costs.known:
             return False
-        k, _ = best_length([MAX_ACCEPTANCE] * max_len, self.costs, rate=self.rate(n_generating),
-                           base=max(1, n_generating), draft_model=draft_model,
-                           own_pass=self.hybrid and n_generating > 1, rollback=self.rollback_costs)
-        return k > 0
+        return self._best_length([MAX_ACCEPTANCE] * max_len, n_generating, draft_model=draft_model)[0] > 0
+
+    def _best_length(self, chances: list[float], n_generating: int, *, draft_model: bool) -> tuple[int, float]:
+        """``best_length`` in this engine's step: its busy slots, its target and rollback."""
+        return best_length(chances, self.costs, rate=self.rate(n_generating), base=max(1, n_generating),
+                           draft_model=draft_model, own_pass=self.hybrid and n_generating > 1,
+                           rollback=self.rollback_costs)
 
     def probe(self, slot: SlotRecord) -> bool:
         """Whether a slot that drafts nothing should try a drafter now (a drafter's worth can
