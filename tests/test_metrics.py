@@ -34,8 +34,10 @@ METRICS = {
 
 @pytest.fixture(scope="module")
 def server(tiny_lfm2_echo: Path) -> Iterator[ThreadServer]:
-    """One slot (a second request queues), n-gram drafting on a model that repeats itself."""
-    with Engine(EngineConfig(model=tiny_lfm2_echo, slots=1, ctx=512, threads=2, max_queue=2)) as engine:
+    """One slot (a second request queues), n-gram drafting on a model that repeats itself; fixed
+    drafts, so that the draft counters move whatever the cost policy makes of this machine's timing."""
+    with Engine(EngineConfig(model=tiny_lfm2_echo, slots=1, ctx=512, threads=2, max_queue=2,
+                             adaptive_draft=False)) as engine:
         with running(engine, metrics_port=0) as s:
             yield s
 
