@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from exactness import assert_plain
 from hyspec import _native as N
+from hyspec import prefix_cache
 from hyspec.engine import Engine, EngineConfig
 from hyspec.prefix_cache import CacheSizing, PrefixCache
 from hyspec.types import FinishReason, GenerationRequest, Result, SpecMode, SpecParams
@@ -78,12 +79,12 @@ def test_hit_partial_hit_and_miss(target: Path, make_engine: Factory) -> None:
 def test_a_shared_system_prompt_and_a_repeated_prompt_hit_with_long_chunks(target: Path,
                                                                            make_engine: Factory) -> None:
     """Prompts in one chunk of 512: a hybrid target still has checkpoints every 256 positions
-    and 4 tokens before each prompt's end, so a shared prefix and a repeated prompt resume
-    from the cache (attention targets resume anywhere)."""
+    and 4 tokens before each prompt's end (when that is 64 or more past the one before), so a
+    shared prefix and a repeated prompt resume from the cache (attention targets resume anywhere)."""
     engine = make_engine(target, slots=2, batch=512)
     fresh = make_engine(target, slots=1, batch=512, prefix_cache_mb=0)
     system = [128000] + [RNG.randint(200, 30000) for _ in range(299)]
-    first = system + list(range(3000, 3010))  # its last checkpoint (306) is past the shared part
+    first = system + list(range(3000, 3100))  # its last checkpoint (396) is past the shared part
     run(engine, first)
     other = system + [4000, 4001, 4002, 4003]
     got = run(engine, other)
@@ -92,6 +93,11 @@ def test_a_shared_system_prompt_and_a_repeated_prompt_hit_with_long_chunks(targe
     again = run(engine, first)
     assert again.stats.cached_tokens == len(first) - (4 if engine.model.is_hybrid else 1)
     same_as_fresh(fresh, target, first, again)
+    # A new part shorter than the gap gets no checkpoint of its own (no extra pass): a repeat
+    # resumes from where the chunk started on a hybrid target.
+    short = system + list(range(5000, 5020))
+    run(engine, short)
+    assert run(engine, short).stats.cached_tokens == (256 if engine.model.is_hybrid else len(short) - 1)
 
 
 def test_the_draft_models_context_reuses_its_memory_too(tiny_lfm2: Path, tiny_lfm2_q8: Path,
@@ -155,16 +161,37 @@ def test_a_conversation_that_branches(target: Path, make_engine: Factory) -> Non
         same_as_fresh(fresh, target, history + branch, result)
 
 
-def test_least_recently_used_entries_go_first(target: Path, make_engine: Factory) -> None:
+def test_least_recently_used_entries_go_first(target: Path, make_engine: Factory,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefix_cache, "MAX_ENTRIES", 3)
     engine = make_engine(target, slots=1)
     assert engine.cache is not None
-    n_entries = len(engine.cache.free_seqs)
-    prompts = [[128000] + [RNG.randint(200, 30000) for _ in range(20)] for _ in range(n_entries + 1)]
+    prompts = [[128000] + [RNG.randint(200, 30000) for _ in range(20)] for _ in range(4)]
     for prompt in prompts:
         run(engine, prompt, 4)
-    assert len(engine.cache.entries) == n_entries
+    assert len(engine.cache.entries) == 3
     assert run(engine, prompts[0] + [9000], 4).stats.cached_tokens == 0  # the oldest was evicted
     assert run(engine, prompts[-1] + [9000], 4).stats.cached_tokens > 0
+
+
+def test_entries_hold_no_kv_cells_between_requests(target: Path, make_engine: Factory) -> None:
+    """llama.cpp attends over every used cell of the buffer: entries kept in cells would slow
+    every decode, so they live in host memory and come back only when a request reuses them."""
+    engine, fresh = make_engine(target, slots=2), make_engine(target, slots=2, prefix_cache_mb=0)
+    assert engine.cache is not None
+    first = run(engine, P1)
+    second = run(engine, P1 + first.token_ids + [7000, 7001])
+    assert second.stats.cached_tokens >= len(P1)
+    same_as_fresh(fresh, target, P1 + first.token_ids + [7000, 7001], second)
+    engine.close()  # the worker has stored the entry and let go of the context
+    assert len(engine.cache.entries) == 1  # the second turn's entry replaced the first's
+    held = []
+    for seq in range(64):  # every sequence id of the context holds no cells
+        try:
+            held.append(engine.ctx.memory_seq_pos_max(seq))
+        except N.InvalidArgumentError:
+            break
+    assert held == [-1, -1, -1]  # two slots and the cache's scratch sequence
 
 
 def test_cancel_during_a_prefill_that_started_from_the_cache(target: Path, make_engine: Factory) -> None:
@@ -181,19 +208,32 @@ def test_cancel_during_a_prefill_that_started_from_the_cache(target: Path, make_
 
 
 def test_the_byte_budget_bounds_entries(tiny_llama: Path) -> None:
-    ctx = N.Context(N.Model(str(tiny_llama)), n_ctx=1024, n_batch=64, n_ubatch=64, n_seq_max=4, n_threads=2,
+    ctx = N.Context(N.Model(str(tiny_llama)), n_ctx=1024, n_batch=64, n_ubatch=64, n_seq_max=2, n_threads=2,
                     kv_unified=True)
-    cache = PrefixCache(ctx, CacheSizing(budget=1000, kv_bytes_per_token=10, cells=512, seqs=[1, 2, 3]),
-                        recurrent=False)
-    for k in range(5):
+
+    def fill(k: int) -> list[int]:
         tokens = [128000] + [300 + 40 * k + i for i in range(39)]
         ctx.decode(tokens, range(40), [0] * 40, [False] * 40)
-        cache.store(0, tokens, {})
+        return tokens
+
+    def cache_of(budget: int, per_token: int) -> PrefixCache:
+        return PrefixCache(ctx, CacheSizing(budget=budget, kv_bytes_per_token=per_token, cells=512, scratch_seq=1),
+                           recurrent=False)
+
+    probe = cache_of(1 << 30, 1)
+    probe.store(0, fill(0), {})
+    ctx.memory_seq_rm(0, -1, -1)
+    size = probe.entries[0].nbytes  # what one entry of 40 tokens takes in host memory
+    budget = size * 5 // 2
+    cache = cache_of(budget, size // 40)
+    for k in range(5):
+        cache.store(0, fill(k), {})
         ctx.memory_seq_rm(0, -1, -1)
-        assert cache.nbytes <= 1000
-    assert len(cache.entries) == 2  # 400 bytes each: a third would pass the budget
-    cache.store(0, list(range(200)), {})  # 2000 bytes: more than the whole budget, never kept
+        assert cache.nbytes <= budget
+    assert len(cache.entries) == 2  # a third would pass the budget
+    cache.store(0, list(range(200)), {})  # five entries' worth: more than the whole budget, never kept
     assert [len(e.tokens) for e in cache.entries] == [40, 40]
+    assert ctx.memory_seq_pos_max(1) == -1  # the scratch sequence holds nothing
 
 
 def test_cached_tokens_reach_clients_and_the_request_log(tiny_llama: Path, make_engine: Factory,

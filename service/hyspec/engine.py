@@ -184,7 +184,7 @@ class Engine:
         ctx = config.ctx or min(DEFAULT_CTX, self.model.n_ctx_train)
         sizing = CacheSizing.of(self.model, target_budget, ctx, config.slots)
         self.ctx = Context(self.model, n_ctx=ctx * config.slots + sizing.cells, n_batch=config.batch,
-                           n_ubatch=config.batch, n_seq_max=config.slots + len(sizing.seqs), n_threads=threads,
+                           n_ubatch=config.batch, n_seq_max=config.slots + sizing.n_seqs, n_threads=threads,
                            kv_unified=True, n_rs_seq=ring)
         self.n_ctx_seq = ctx
         self.rollback_method = probe_rollback(self.ctx)
@@ -206,11 +206,10 @@ class Engine:
         model_drafter = drafters.get(SpecMode.DRAFT)
         if isinstance(model_drafter, DraftModelDrafter) and model_drafter.cache is not None:
             model_drafter.cache.clear()  # nothing of the calibration is worth keeping
-        self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.seqs else None
+        self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.scratch_seq is not None else None
         self.scheduler = Scheduler(target=self.ctx, rollback=rollback, speculator=self.speculator,
                                    n_slots=config.slots, n_ctx_seq=self.n_ctx_seq, n_batch=config.batch,
-                                   ring=self.ctx.n_rs_seq, record_shapes=config.record_shapes, cache=self.cache,
-                                   n_cells=self.ctx.n_ctx)
+                                   ring=self.ctx.n_rs_seq, record_shapes=config.record_shapes, cache=self.cache)
 
     def _calibration_prompt(self) -> list[int]:
         text = "The history of the printing press begins long before Gutenberg. Wooden blocks were carved"

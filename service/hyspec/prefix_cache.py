@@ -1,21 +1,22 @@
 """Reusing the memory of earlier requests: a new request does not decode its cached prefix again.
 
-When a request ends, the memory its sequence holds becomes a cache entry: its attention cells
-pass to a cache sequence id (``memory_seq_cp`` shares cells in the unified KV buffer, no data
-is copied) and, on a hybrid target, the partial (recurrent) states saved along the way stay in
-host memory: at the end of each prompt chunk (chunks are cut so that one ends at every
-CHECKPOINT_EVERY positions and CHECKPOINT_TAIL tokens before the end of the prompt), at the
-end of the prompt and at the end of the generation. A new request then gets the longest
-prefix of its prompt that an entry holds: the attention cells are shared again into its own
-sequence, up to a position where a recurrent checkpoint exists on a hybrid target (recurrent
-state cannot be trimmed, so it is restored from the nearest checkpoint at or below the match),
-and only the rest of the prompt is prefilled. Chat turns hit the cache because turn k+1's
-rendered prompt starts with turn k's prompt and answer.
+When a request ends, the memory its sequence holds becomes a cache entry, saved to host memory
+(``state_seq_get``): its attention cells are freed, because llama.cpp attends over every used cell
+of the KV buffer, whichever sequence holds it, so entries kept in cells would slow every decode
+of every slot (by ~7% per 4,000 cached cells on LFM2-1.2B). On a hybrid target the partial
+(recurrent) states saved along the way are kept too: at the end of each prompt chunk (chunks are
+cut so that one ends at every CHECKPOINT_EVERY positions and CHECKPOINT_TAIL tokens before the
+end of a prompt whose new part is long enough), at the end of the prompt and at the end of the generation. A new request
+then gets the longest prefix of its prompt that an entry holds: the entry is restored into a
+scratch sequence and its cells up to the match are shared into the request's own (up to a
+position where a recurrent checkpoint exists on a hybrid target: recurrent state cannot be
+trimmed, so it is restored from the nearest checkpoint at or below the match), and only the rest
+of the prompt is prefilled. Chat turns hit the cache because turn k+1's rendered prompt starts
+with turn k's prompt and answer.
 
-Bounded: entries cost their tokens' KV bytes plus their checkpoints, within ``budget`` bytes
-and a fixed number of cache sequence ids; the least recently used go first, and an entry is
-dropped whenever a running request needs the cells (``make_room``), so the cache never blocks
-a slot.
+Bounded: entries cost their saved bytes plus their checkpoints, within ``budget`` bytes and
+MAX_ENTRIES entries; the least recently used go first. Entries hold no KV cells between
+requests, so the cache never takes a slot's room.
 """
 
 from __future__ import annotations
@@ -23,20 +24,26 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hyspec._native import Context, Model, max_parallel_sequences
+from hyspec._native import Context, Model, StateError, max_parallel_sequences
 from hyspec.gguf_header import read_keys
 
 MIN_REUSE = 4  # fewer cached tokens than this are not worth the bookkeeping
+MAX_ENTRIES = 64  # a lookup compares the prompt with every entry
 # Hybrid targets: prompt chunks end at these positions so that a recurrent checkpoint is there
 # (as llama-server checkpoints a few tokens before a prompt's end).
 CHECKPOINT_EVERY = 256
 CHECKPOINT_TAIL = 4
+# A tail checkpoint costs a weight pass of its own (~100 ms on LFM2-1.2B F16) on every prompt; it
+# pays only when a later prompt resumes there instead of at the checkpoint the chunk started
+# from, so it is cut only this far past that one (a chat turn's short new part gets none: the
+# next turn resumes from the end of this turn's generation anyway).
+CHECKPOINT_TAIL_GAP = 64
 
 
 @dataclass
 class Entry:
-    seq: int  # the cache sequence id whose attention cells hold ``tokens``
     tokens: list[int]
+    memory: bytes  # the sequence's whole memory after ``tokens`` (state_seq_get, not partial)
     checkpoints: dict[int, bytes]  # recurrent state after the first n tokens (hybrid targets)
     nbytes: int
     last_used: float = field(default_factory=time.monotonic)
@@ -75,27 +82,31 @@ def kv_bytes_per_token(model: Model) -> int:
 
 @dataclass(frozen=True)
 class CacheSizing:
-    """What a context needs for a prefix cache: KV cells on top of the slots' and sequence ids
-    of its own (after the slots')."""
+    """What a context needs for a prefix cache: room for one restored entry on top of the slots'
+    cells, and a scratch sequence id (after the slots') to restore it into."""
 
     budget: int  # bytes
     kv_bytes_per_token: int
     cells: int
-    seqs: list[int]
+    scratch_seq: int | None  # None: no cache
+
+    @property
+    def n_seqs(self) -> int:
+        """Sequence ids the cache needs on top of the slots'."""
+        return int(self.scratch_seq is not None)
 
     @classmethod
     def of(cls, model: Model, budget: int, ctx: int, slots: int) -> CacheSizing:
         per_token = kv_bytes_per_token(model)
-        # At most twice the slots' cells: the buffer is allocated up front.
-        cells = min(budget // max(1, per_token), 2 * ctx * slots) if budget > 0 else 0
-        n_seqs = min(max(4, 2 * slots), max_parallel_sequences() - slots) if cells else 0
-        return cls(budget, per_token, cells, list(range(slots, slots + n_seqs)))
+        on = budget > 0 and max_parallel_sequences() > slots
+        return cls(budget, per_token, ctx if on else 0, slots if on else None)
 
 
 class PrefixCache:
     def __init__(self, ctx: Context, sizing: CacheSizing, *, recurrent: bool) -> None:
+        assert sizing.scratch_seq is not None
         self.ctx = ctx
-        self.free_seqs = list(sizing.seqs)
+        self.scratch = sizing.scratch_seq
         self.budget = sizing.budget
         self.kv_bytes_per_token = sizing.kv_bytes_per_token
         self.recurrent = recurrent
@@ -105,11 +116,6 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
-
-    @property
-    def tokens(self) -> int:
-        """KV cells the entries hold (cells shared with running slots counted again)."""
-        return sum(len(e.tokens) for e in self.entries)
 
     @property
     def hit_rate(self) -> float:
@@ -129,7 +135,13 @@ class PrefixCache:
                 best, best_n = entry, match
         if best is None or best_n < MIN_REUSE:
             return 0, None
-        self.ctx.memory_seq_cp(best.seq, seq, 0, best_n)
+        try:
+            self.ctx.state_seq_set(self.scratch, best.memory, partial=False)
+        except StateError:  # no contiguous room for it in the KV buffer now: a miss
+            self.ctx.memory_seq_rm(self.scratch, -1, -1)
+            return 0, None
+        self.ctx.memory_seq_cp(self.scratch, seq, 0, best_n)  # shares the cells, copies no data
+        self.ctx.memory_seq_rm(self.scratch, -1, -1)
         checkpoint = best.checkpoints.get(best_n) if self.recurrent else None
         if checkpoint is not None:
             # Attention cells were shared up to best_n; the recurrent part gets its state there.
@@ -151,32 +163,20 @@ class PrefixCache:
                 self._drop(entry)
         if self.recurrent and not kept:
             return  # no state to resume from: nothing reusable
-        nbytes = len(tokens) * self.kv_bytes_per_token + sum(len(d) for d in kept.values())
-        if nbytes > self.budget:
+        estimate = len(tokens) * self.kv_bytes_per_token + sum(len(d) for d in kept.values())
+        if estimate > self.budget:
             return
-        while self.entries and (not self.free_seqs or self.nbytes + nbytes > self.budget):
+        self.ctx.memory_seq_cp(seq, self.scratch, 0, len(tokens))
+        memory = self.ctx.state_seq_get(self.scratch, partial=False)
+        self.ctx.memory_seq_rm(self.scratch, -1, -1)
+        nbytes = len(memory) + sum(len(d) for d in kept.values())
+        while self.entries and (len(self.entries) >= MAX_ENTRIES or self.nbytes + nbytes > self.budget):
             self._drop(min(self.entries, key=lambda e: e.last_used))
-        if not self.free_seqs:
-            return
-        cache_seq = self.free_seqs.pop()
-        self.ctx.memory_seq_cp(seq, cache_seq, 0, len(tokens))
-        self.entries.append(Entry(cache_seq, list(tokens), kept, nbytes))
-
-    def make_room(self, cells: int) -> bool:
-        """Drop least recently used entries until they hold at most ``cells`` cells fewer than now
-        (a running request needs them); False if the cache had nothing left to give."""
-        freed = 0
-        while freed < cells and self.entries:
-            entry = min(self.entries, key=lambda e: e.last_used)
-            freed += len(entry.tokens)
-            self._drop(entry)
-        return freed > 0
+        if nbytes <= self.budget:
+            self.entries.append(Entry(list(tokens), memory, kept, nbytes))
 
     def clear(self) -> None:
-        for entry in list(self.entries):
-            self._drop(entry)
+        self.entries.clear()
 
     def _drop(self, entry: Entry) -> None:
-        self.ctx.memory_seq_rm(entry.seq, -1, -1)
         self.entries.remove(entry)
-        self.free_seqs.append(entry.seq)

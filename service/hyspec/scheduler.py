@@ -24,7 +24,7 @@ from hyspec.draft_policy import Choice, SlotRecord
 from hyspec.handle import RequestHandle
 from hyspec.output import OutputStream
 from hyspec.planner import Demand, plan
-from hyspec.prefix_cache import CHECKPOINT_EVERY, CHECKPOINT_TAIL, PrefixCache
+from hyspec.prefix_cache import CHECKPOINT_EVERY, CHECKPOINT_TAIL, CHECKPOINT_TAIL_GAP, PrefixCache
 from hyspec.ring import safe_rollbacks, ubatches
 from hyspec.rollback import Checkpoint, RollbackMethod, SeqRollback
 from hyspec.speculation import DraftRequest, Proposal, Speculator
@@ -99,7 +99,7 @@ class _Stop:
 class Scheduler:
     def __init__(self, *, target: Context, rollback: SeqRollback, speculator: Speculator,
                  n_slots: int, n_ctx_seq: int, n_batch: int, ring: int = 0,
-                 record_shapes: bool = False, cache: PrefixCache | None = None, n_cells: int = 0) -> None:
+                 record_shapes: bool = False, cache: PrefixCache | None = None) -> None:
         self.ctx = target
         self.model: Model = target.model
         self.rollback = rollback
@@ -118,7 +118,6 @@ class Scheduler:
         self._turn = 0  # rotates which slot the planner serves first
         self._involved: list[Slot] | None = None  # the slots of the decode under way (None: all)
         self.cache = cache
-        self.n_cells = n_cells  # KV cells of the context: slots and cache entries share them
 
     # -- commands, from any thread ---------------------------------------------------------
 
@@ -268,24 +267,17 @@ class Scheduler:
     def _chunk_limit(self, slot: Slot) -> int:
         """How much of a prompt may go in this step. With a prefix cache on a hybrid target, a
         chunk ends at every CHECKPOINT_EVERY-th position and CHECKPOINT_TAIL tokens before the
-        prompt's end, so that a checkpoint is there: a later prompt sharing only a prefix (a
-        system prompt, the same prompt again) resumes near its end. Costs a weight pass each."""
+        prompt's end (if that is CHECKPOINT_TAIL_GAP past where this chunk starts), so that a
+        checkpoint is there: a later prompt sharing only a prefix (a system prompt, the same
+        prompt again) resumes near its end. Costs a weight pass each."""
         feed = len(slot.feed)
         if self.cache is None or not self.cache.recurrent or self.cache.budget <= 0:
             return feed
         end = slot.n_mem + feed
         boundary = (slot.n_mem // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY
-        if end - CHECKPOINT_TAIL > slot.n_mem:
+        if end - CHECKPOINT_TAIL >= slot.n_mem + CHECKPOINT_TAIL_GAP:
             boundary = min(boundary, end - CHECKPOINT_TAIL)
         return min(feed, boundary - slot.n_mem)
-
-    def _make_room(self, n_new: int) -> None:
-        """Cache entries give up their cells when running requests need them."""
-        if self.cache is None:
-            return
-        used = sum(s.n_mem for s in self.slots.values()) + self.cache.tokens + n_new
-        if used > self.n_cells:
-            self.cache.make_room(used - self.n_cells)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -339,7 +331,6 @@ class Scheduler:
                 unsafe = safe.get(p.slot.seq, 0) < len(p.draft)
                 p.slot.checkpoint = self.rollback.checkpoint(p.slot.seq, p.slot.n_mem, p.slot.checkpoint,
                                                              ring_unsafe=unsafe)
-        self._make_room(len(tokens))
         started = time.perf_counter()
         self._involved = [p.slot for p in steps]
         self.ctx.decode(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from hyspec._native import Context, Model
 from hyspec.drafters import Draft, DraftItem
-from hyspec.prefix_cache import CacheSizing, PrefixCache
+from hyspec.prefix_cache import CacheSizing, PrefixCache, common_prefix
 from hyspec.rollback import Checkpoint, RollbackMethod, SeqRollback, probe_rollback
 
 
@@ -38,21 +38,13 @@ class _SeqState:
     checkpoint: Checkpoint | None = None
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class DraftModelDrafter:
     def __init__(self, model: Model, *, n_slots: int, n_ctx_seq: int, n_batch: int, n_threads: int,
                  cache_budget: int = 0) -> None:
         sizing = CacheSizing.of(model, cache_budget, n_ctx_seq, n_slots)
         self.ctx = Context(
             model, n_ctx=n_ctx_seq * n_slots + sizing.cells, n_batch=n_batch, n_ubatch=n_batch,
-            n_seq_max=n_slots + len(sizing.seqs), n_threads=n_threads, kv_unified=True,
+            n_seq_max=n_slots + sizing.n_seqs, n_threads=n_threads, kv_unified=True,
         )
         self.n_batch = n_batch
         self.rollback = SeqRollback(self.ctx, probe_rollback(self.ctx))
@@ -60,7 +52,7 @@ class DraftModelDrafter:
         # The draft's memory of earlier requests, as the target's (prefix_cache.py): a new turn of
         # a conversation does not make the draft read the whole history again.
         recurrent = self.rollback.method is not RollbackMethod.SEQ_RM
-        self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.seqs else None
+        self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.scratch_seq is not None else None
 
     def propose(self, items: list[DraftItem]) -> list[Draft]:
         drafts: dict[int, list[int]] = {item.seq: [] for item in items}
@@ -92,7 +84,7 @@ class DraftModelDrafter:
             checkpoint = Checkpoint(cached, data) if data is not None else None
             self._seqs[item.seq] = _SeqState(list(item.history[:cached]), checkpoint)
         state = self._seqs.setdefault(item.seq, _SeqState())
-        keep = _common_prefix(state.tokens, item.history[:-1])
+        keep = common_prefix(state.tokens, item.history[:-1])
         if keep < len(state.tokens):
             kept = self.rollback.truncate(item.seq, keep, state.checkpoint)
             state.tokens = state.tokens[:kept]
