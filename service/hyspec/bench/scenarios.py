@@ -193,7 +193,9 @@ def full() -> list[Scenario]:
         Service(f16),
         Versus(8, "agentic", GEMMA, "ngram", PROSE, goal=1.3, agentic=True),
         Versus(8, "agentic", f16_echo, "ngram", PROSE, goal=1.3, agentic=True),
-        Cache(9, "4 turns to ~2000 tokens", f16, system_tokens=400, turns=4, question_tokens=380),
+        # A chat sidecar's conversation: a long system prompt (a manual), then short questions, each
+        # turn resending the history; what is new in a turn is its question (and the last answer).
+        Cache(9, "4 turns to ~2000 tokens", f16, system_tokens=1600, turns=4, question_tokens=40),
         Cache(10, "4 streams", f16, system_tokens=1500, streams=4),
         Versus(11, "trained pair", KJV_TARGET, "draft", KJV, draft=KJV_DRAFT, extra=("ngram",)),
     ]
