@@ -1,13 +1,13 @@
 """Reusing the memory of earlier requests: a new request does not decode its cached prefix again.
 
 When a request ends, the memory its sequence holds becomes a cache entry, saved to host memory
-(``state_seq_get``): its attention cells are freed, because llama.cpp attends over every used cell
-of the KV buffer, whichever sequence holds it, so entries kept in cells would slow every decode
-of every slot (a cached turn's prefill on LFM2-1.2B took ~5% longer with two other
-conversations, 2,100 cells, cached). On a hybrid target the partial
-(recurrent) states saved along the way are kept too: at the end of each prompt chunk (chunks are
-cut so that one ends at every CHECKPOINT_EVERY positions and CHECKPOINT_TAIL tokens before the
-end of a prompt whose new part is long enough), at the end of the prompt and at the end of the generation. A new request
+(``state_seq_get``): its attention cells are freed, because llama.cpp attends over every used
+cell of the KV buffer, whichever sequence holds it, so entries kept in cells would slow every
+decode of every slot (a cached turn's prefill on LFM2-1.2B took ~5% longer with two other
+conversations, 2,100 cells, cached). On a hybrid target the partial (recurrent) states saved
+along the way are kept too: at the end of each prompt chunk (chunks are cut so that one ends at
+every CHECKPOINT_EVERY positions and CHECKPOINT_TAIL tokens before the end of a prompt whose new
+part is long enough), at the end of the prompt and at the end of the generation. A new request
 then gets the longest prefix of its prompt that an entry holds: the entry is restored into a
 scratch sequence and its cells up to the match are shared into the request's own (up to a
 position where a recurrent checkpoint exists on a hybrid target: recurrent state cannot be
