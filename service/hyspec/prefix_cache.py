@@ -168,8 +168,12 @@ class PrefixCache:
         if estimate > self.budget:
             return
         self.ctx.memory_seq_cp(seq, self.scratch, 0, len(tokens))
-        memory = self.ctx.state_seq_get(self.scratch, partial=False)
-        self.ctx.memory_seq_rm(self.scratch, -1, -1)
+        try:
+            memory = self.ctx.state_seq_get(self.scratch, partial=False)
+        except StateError:  # not kept: a cache that cannot save an entry must not fail the request
+            return
+        finally:
+            self.ctx.memory_seq_rm(self.scratch, -1, -1)
         nbytes = len(memory) + sum(len(d) for d in kept.values())
         while self.entries and (len(self.entries) >= MAX_ENTRIES or self.nbytes + nbytes > self.budget):
             self._drop(min(self.entries, key=lambda e: e.last_used))
