@@ -257,9 +257,7 @@ class SpeculationPolicy:
         """Whether drafts accepted as surely as any ever are would pay: a probe can at best
         show that acceptance is high, so where even that would not pay (a draft model nearly
         as slow as the target) probing is waste (on top of the draft model catching up on
-        every token since it last drafted)."""
-        if max_len <= 0 or not self.costs.known:
-            return False
+        every token since it last drafted). False too while costs are unknown (best_length)."""
         return self._best_length([MAX_ACCEPTANCE] * max_len, n_generating, draft_model=draft_model)[0] > 0
 
     def _best_length(self, chances: list[float], n_generating: int, *, draft_model: bool) -> tuple[int, float]:
