@@ -4,7 +4,15 @@ synthetic costs and acceptance: no model."""
 from __future__ import annotations
 
 import pytest
-from hyspec.draft_policy import Acceptance, Costs, SlotRecord, SpeculationPolicy, best_length, expected_gain
+from hyspec.draft_policy import (
+    Acceptance,
+    Calibration,
+    Costs,
+    SlotRecord,
+    SpeculationPolicy,
+    best_length,
+    expected_gain,
+)
 from hyspec.drafters import Draft, DraftItem
 from hyspec.speculation import DRAFT_MODEL, SUFFIX, DraftRequest, Proposal, Speculator
 from hyspec.types import SpecMode
@@ -96,7 +104,22 @@ def test_a_slot_blends_its_own_record_with_the_drafters() -> None:
     for _ in range(40):
         slot.update(4, 4)
     assert all(c > 0.8 for c in slot.chances([0.5, 0.5], None, 1.0))
-    assert slot.chances([0.5], [0.9], 0.5) == [0.45]  # a confidence, scaled by its calibration
+    assert slot.chances([0.5], [0.9], None) == [0.9]  # a stated confidence, taken at its word
+    calibration = Calibration()
+    for _ in range(40):
+        calibration.update([0.9], 0)
+    assert slot.chances([0.5], [0.9], calibration)[0] < 0.2  # ... unless it was seen broken
+
+
+def test_a_calibration_learns_what_each_band_of_stated_confidence_means() -> None:
+    calibration = Calibration()
+    assert calibration.chance(0.75) == 0.75 and calibration.chance(0.35) == 0.35  # before any observation
+    for _ in range(60):
+        calibration.update([0.75, 0.75, 0.75], 3)  # copied text: stated 0.75, always right
+        calibration.update([0.35, 0.15], 0)  # a short match: wrong; its second token never compared
+    assert calibration.chance(0.72) > 0.9 and calibration.chance(0.78) > 0.9
+    assert calibration.chance(0.35) < 0.1
+    assert calibration.chance(0.15) == 0.15
 
 
 class _Fixed:
@@ -193,12 +216,83 @@ def test_a_free_drafter_that_cannot_tell_its_confidence_is_probed_with_its_whole
 
 def test_a_confident_drafter_whose_calibration_collapsed_is_probed_and_recovers() -> None:
     spec, policy = _suffix_only(_Fixed([7] * 8, [0.95] * 8), per_token=0.03)
-    policy.calibration[SUFFIX] = 0.2  # after a run of unlucky drafts
+    for _ in range(50):
+        policy.calibration(SUFFIX).update([0.95], 0)  # after a run of unlucky drafts
+    collapsed = policy.calibration(SUFFIX).chance(0.95)
     record = SlotRecord()
     steps, probe = _first_proposal(spec, record)
     assert steps == SpeculationPolicy.PROBE_EVERY - 1 and probe.choice.probe and probe.choice.expected > 0
     spec.verified(record, probe.choice, len(probe.tokens), len(probe.tokens))
-    assert policy.calibration[SUFFIX] > 0.2
+    assert policy.calibration(SUFFIX).chance(0.95) > collapsed
+
+
+class _Copying:
+    """A free drafter that proposes the next tokens of ``text`` (what the target will write),
+    wrongly from ``wrong_from`` on, stating ``confidence`` for each (None: states none)."""
+
+    def __init__(self, text: list[int], n_prompt: int, confidence: float | None, wrong_from: int = 10**9) -> None:
+        self.text, self.n_prompt, self.confidence, self.wrong_from = text, n_prompt, confidence, wrong_from
+
+    def propose(self, items: list[DraftItem]) -> list[Draft]:
+        drafts = []
+        for item in items:
+            at = len(item.history)
+            tokens = [t if at + i < self.wrong_from else t + 1 for i, t in enumerate(self.text[at:at + item.max_len])]
+            drafts.append(Draft(tokens, None if self.confidence is None else [self.confidence] * len(tokens)))
+        return drafts
+
+    def release(self, seq: int) -> None:
+        pass
+
+
+def _generate(spec: Speculator, text: list[int], n_prompt: int, steps: int) -> list[Proposal | None]:
+    """``steps`` steps of one slot whose target writes ``text``: drafts verified against it."""
+    history, record, seen = text[:n_prompt], SlotRecord(), []
+    for _ in range(steps):
+        request = DraftRequest(0, list(history), n_prompt, SpecMode.AUTO, 8, 0, True, record)
+        proposal = spec.propose([request], 1).get(0)
+        seen.append(proposal)
+        at = len(history)
+        tokens = proposal.tokens if proposal is not None else []
+        accepted = next((i for i, t in enumerate(tokens) if t != text[at + i]), len(tokens))
+        if proposal is not None:
+            spec.verified(record, proposal.choice, len(tokens), accepted)
+        history += text[at:at + accepted + 1]
+    return seen
+
+
+def test_drafts_stated_below_their_worth_are_learnt_from_without_verifying_them() -> None:
+    """Copied text that the suffix drafter has seen once states 0.75 a token, below what a
+    verified token costs here (0.8 of a step): taken at its word it would never be drafted.
+    The target's own tokens show, at no cost, that such drafts are right: drafting starts
+    after the first unverified draft is settled, long before a probe."""
+    text = list(range(100, 300))
+    spec, policy = _suffix_only(_Copying(text, 10, 0.75), per_token=0.08)  # type: ignore[arg-type]
+    seen = _generate(spec, text, 10, 40)
+    first = next(i for i, p in enumerate(seen) if p is not None)
+    assert first < SpeculationPolicy.PROBE_EVERY - 1 and not seen[first].choice.probe  # type: ignore[union-attr]
+    assert len(seen[first].tokens) >= 2  # type: ignore[union-attr]
+    assert policy.calibration(SUFFIX).chance(0.75) > 0.9
+    # The same statement, wrong from the third token of every draft: it learns that too.
+    wrong = _Copying(text, 10, 0.75, wrong_from=0)
+    spec, policy = _suffix_only(wrong, per_token=0.08)  # type: ignore[arg-type]
+    assert all(p is None or p.choice.probe for p in _generate(spec, text, 10, 40))
+    assert policy.calibration(SUFFIX).chance(0.75) < 0.2
+
+
+def test_a_drafter_without_confidence_whose_acceptance_rose_drafts_again_without_probes() -> None:
+    """A free drafter's record says it is rarely right (it was, in earlier requests): declined
+    drafts are compared with what the target writes, and the record follows the drafter as it
+    is now, with no probe (they are switched off here) paying for the lesson."""
+    text = list(range(100, 300))
+    spec, policy = _suffix_only(_Copying(text, 10, None), per_token=0.01)  # type: ignore[arg-type]
+    policy.PROBE_EVERY = 10**6  # type: ignore[misc]
+    for _ in range(10):
+        policy.record(SUFFIX).update(4, 0)
+    seen = _generate(spec, text, 10, 60)
+    first = next(i for i, p in enumerate(seen) if p is not None)
+    assert not any(p.choice.probe for p in seen if p is not None)
+    assert 0 < first < 40 and policy.record(SUFFIX).rate(0) > 0.5
 
 
 def test_a_draft_model_that_could_not_pay_even_if_always_right_is_never_probed() -> None:

@@ -6,7 +6,9 @@ than the tokens it wins. ``Costs`` knows what this machine pays (calibrated at s
 refined by every step): a decode pass by its width in tokens, a draft-model token and a
 rollback. ``Acceptance`` knows, per drafter, how often a drafted token at each
 position was accepted given the ones before it, over every request so far (so a new request
-starts from experience, not optimism), and each slot blends that with its own record.
+starts from experience, not optimism), and each slot blends that with its own record. A drafter
+that states a confidence per token (the suffix drafter) is taken at its word only as far as
+``Calibration`` has seen that word kept: acceptance is learnt per band of stated confidence.
 
 For a slot offered a draft whose tokens are accepted with chances a_1..a_K (in a row), drafting
 k of them yields on average
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 _WEIGHT = 0.2  # of a new measurement in the running cost estimates
 PRIOR_WEIGHT = 8.0  # a slot's own observations count against this many from earlier requests
 MAX_ACCEPTANCE = 0.98  # no estimate is ever certain
+CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of stated confidence
+CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -134,6 +138,35 @@ class Acceptance:
 
 
 @dataclass
+class Calibration:
+    """What a drafter's stated confidence turns out to mean: the acceptance observed per band of
+    confidence, each band starting from the confidence itself. One factor for all confidences
+    cannot do this: a continuation seen once after a ten-token match states 0.75 and is usually
+    copied text, right more often than that, while short matches may be worth less than stated."""
+
+    accepted: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BANDS)
+    compared: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BANDS)
+
+    @staticmethod
+    def _band(confidence: float) -> int:
+        return min(CONFIDENCE_BANDS - 1, max(0, int(confidence * CONFIDENCE_BANDS)))
+
+    def chance(self, confidence: float) -> float:
+        band = self._band(confidence)
+        chance = (self.accepted[band] + CALIBRATION_PRIOR * confidence) / (self.compared[band] + CALIBRATION_PRIOR)
+        return min(MAX_ACCEPTANCE, max(0.0, chance))
+
+    def update(self, confidence: list[float], accepted: int, decay: float = 0.98) -> None:
+        """One verification of tokens drafted with these confidences, ``accepted`` of them in a
+        row; tokens after the first rejection were never compared. A band's older observations
+        fade by ``decay`` per new one, so it follows what the drafter does now."""
+        for i, stated in enumerate(confidence[:accepted + 1]):
+            band = self._band(stated)
+            self.compared[band] = decay * self.compared[band] + 1.0
+            self.accepted[band] = decay * self.accepted[band] + (1.0 if i < accepted else 0.0)
+
+
+@dataclass
 class SlotRecord:
     """One slot's own acceptance, blended with its drafter's record over all requests."""
 
@@ -145,17 +178,17 @@ class SlotRecord:
     # their inputs change only with observations, so the choice stands for a few steps.
     declined: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def chances(self, global_rates: list[float], confidence: list[float] | None, calibration: float) -> list[float]:
+    def chances(self, global_rates: list[float], confidence: list[float] | None,
+                calibration: Calibration | None) -> list[float]:
         """The chance each drafted token is accepted: the drafter's own confidence where it has
-        one (scaled by how well its confidence has predicted so far), else the global
-        per-position rate, pulled towards this slot's record."""
+        one (read through its calibration, if given), else the global per-position rate, pulled
+        towards this slot's record."""
+        if confidence is not None:
+            return [calibration.chance(c) if calibration is not None else min(MAX_ACCEPTANCE, max(0.0, c))
+                    for c in confidence[:len(global_rates)]]
         own = (self.accepted + PRIOR_WEIGHT * _mean(global_rates)) / (self.compared + PRIOR_WEIGHT)
         shift = own / max(_mean(global_rates), 1e-6)
-        out = []
-        for i, rate in enumerate(global_rates):
-            base = confidence[i] * calibration if confidence is not None else rate * shift
-            out.append(min(MAX_ACCEPTANCE, max(0.0, base)))
-        return out
+        return [min(MAX_ACCEPTANCE, max(0.0, rate * shift)) for rate in global_rates]
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -209,6 +242,7 @@ class Choice:
     expected: float = 0.0  # expected accepted tokens
     value: float = 0.0  # expected tokens gained less the delay's worth in tokens
     probe: bool = False  # a try of a drafter that stopped paying (its record must learn)
+    confidence: list[float] | None = None  # the drafter's stated confidence per drafted token
 
 
 class SpeculationPolicy:
@@ -224,10 +258,13 @@ class SpeculationPolicy:
         self.hybrid = hybrid  # drafted tokens of several slots make an extra ubatch
         self.rollback_costs = rollback_costs  # a rejection means restore + replay
         self.acceptance: dict[str, Acceptance] = {}
-        self.calibration: dict[str, float] = {}  # observed / predicted acceptance, per drafter
+        self.calibrations: dict[str, Calibration] = {}  # what each drafter's confidence means
 
     def record(self, drafter: str) -> Acceptance:
         return self.acceptance.setdefault(drafter, Acceptance())
+
+    def calibration(self, drafter: str) -> Calibration:
+        return self.calibrations.setdefault(drafter, Calibration())
 
     def rate(self, n_generating: int) -> float:
         """Tokens per second the busy slots produce without drafts."""
@@ -236,7 +273,7 @@ class SpeculationPolicy:
     def choose(self, slot: SlotRecord, drafter: str, max_len: int, n_generating: int, *,
                confidence: list[float] | None = None, draft_model: bool = False, calibrated: bool = True) -> Choice:
         """The best length for ``drafter`` on this slot (0: not worth it); ``calibrated``:
-        the drafter's confidence scaled by how well it has predicted so far."""
+        the drafter's confidence read as what it has turned out to mean so far."""
         if max_len <= 0 or not self.costs.known:
             return Choice(drafter, 0, 0.0)
         if confidence is None and slot.declined.get(drafter) == (max_len, n_generating) \
@@ -244,14 +281,14 @@ class SpeculationPolicy:
             return Choice(drafter, 0, 0.0)  # on a tiny target the full choice is a tenth of a step
         record = self.record(drafter)
         rates = [record.rate(i) for i in range(max_len)]
-        chances = slot.chances(rates, confidence[:max_len] if confidence is not None else None,
-                               self.calibration.get(drafter, 1.0) if calibrated else 1.0)
+        stated = confidence[:max_len] if confidence is not None else None
+        chances = slot.chances(rates, stated, self.calibration(drafter) if calibrated else None)
         k, value = self._best_length(chances, n_generating, draft_model=draft_model)
         if confidence is None and k == 0:
             slot.declined[drafter] = (max_len, n_generating)
         else:
             slot.declined.pop(drafter, None)
-        return Choice(drafter, k, expected_gain(chances)[k], value)
+        return Choice(drafter, k, expected_gain(chances)[k], value, confidence=stated[:k] if stated else None)
 
     def could_pay(self, max_len: int, n_generating: int, *, draft_model: bool) -> bool:
         """Whether drafts accepted as surely as any ever are would pay: a probe can at best
@@ -282,10 +319,24 @@ class SpeculationPolicy:
         self.record(choice.drafter).update(choice.length, accepted)
         slot.update(choice.length, accepted)
         slot.declined.clear()
-        if choice.expected > 0:
-            ratio = min(1.5, max(0.2, accepted / choice.expected))
-            self.calibration[choice.drafter] = _ema(self.calibration.get(choice.drafter), ratio)
+        if choice.confidence:
+            self.calibration(choice.drafter).update(choice.confidence[:choice.length], accepted)
         if choice.probe:
             slot.failed_probes = 0 if accepted else slot.failed_probes + 1
         elif accepted:
             slot.failed_probes = 0
+
+    def unverified(self, slot: SlotRecord, drafter: str, confidence: list[float] | None, compared: int,
+                   accepted: int) -> None:
+        """A draft nobody verified, checked against the ``compared`` tokens the target went on
+        with: the first ``accepted`` matched (then one differed, if ``accepted < compared``).
+        It counts as a verification would have: towards the confidence's calibration, or the
+        drafter's and the slot's acceptance record."""
+        if compared <= 0:
+            return
+        if confidence is not None:
+            self.calibration(drafter).update(confidence[:compared], accepted)
+        else:
+            self.record(drafter).update(compared, accepted)
+            slot.update(compared, accepted)
+        slot.declined.pop(drafter, None)

@@ -12,7 +12,7 @@ request is not the one that pays for learning them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -46,11 +46,23 @@ class Proposal:
     tokens: list[int]
 
 
+@dataclass
+class _Unverified:
+    """A free draft a slot was offered and did not verify. The tokens the target goes on with
+    show how much of it would have been accepted: a record learns without paying a probe."""
+
+    drafter: str
+    at: int  # the history's length when it was drafted
+    tokens: list[int]
+    confidence: list[float] | None
+
+
 class Speculator:
     def __init__(self, drafters: dict[SpecMode, Drafter], policy: SpeculationPolicy) -> None:
         self.suffix = drafters.get(SpecMode.NGRAM)
         self.model = drafters.get(SpecMode.DRAFT)
         self.policy = policy
+        self._unverified: dict[int, _Unverified] = {}  # per slot, at most one at a time
 
     @property
     def modes(self) -> list[SpecMode]:
@@ -64,6 +76,8 @@ class Speculator:
 
     def propose(self, requests: list[DraftRequest], n_generating: int) -> dict[int, Proposal]:
         """Each slot's draft for this step (slots left out draft nothing)."""
+        for r in requests:
+            self._settle(r)
         suffix_drafts = self._suffix([r for r in requests if r.mode in (SpecMode.AUTO, SpecMode.NGRAM)])
         proposals: dict[int, Proposal] = {}
         model_wanted: list[tuple[DraftRequest, Choice]] = []
@@ -75,7 +89,7 @@ class Speculator:
                     choice = self.policy.choose(r.record, SUFFIX, len(draft.tokens), n_generating,
                                                 confidence=draft.confidence)
                 else:
-                    choice = Choice(SUFFIX, len(draft.tokens), value=float("inf"))
+                    choice = Choice(SUFFIX, len(draft.tokens), value=float("inf"), confidence=draft.confidence)
                 options.append((choice, draft.tokens[:choice.length]))
             if self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT):
                 if r.adaptive:
@@ -87,8 +101,8 @@ class Speculator:
             if best is None or best[0].length < max(1, r.draft_min) or best[0].value <= 0:
                 # Nothing pays now. A drafter is still tried now and then, or its record (and
                 # the calibration of its confidence) could never learn that the text became
-                # predictable: the suffix drafter with what its uncalibrated confidence
-                # supports (all of it without one), else the draft model with one token.
+                # predictable: the suffix drafter with what its stated confidence supports
+                # (all of it without one), else the draft model with one token.
                 if r.adaptive and self.policy.probe(r.record):
                     probe = self._suffix_probe(r, draft, n_generating)
                     if probe is not None:
@@ -104,7 +118,24 @@ class Speculator:
             else:
                 proposals[r.seq] = Proposal(choice, tokens)
         proposals.update(self._model(model_wanted))
+        for r in requests:
+            draft = suffix_drafts.get(r.seq)
+            used = r.seq in proposals and proposals[r.seq].choice.drafter == SUFFIX
+            if draft is not None and draft.tokens and not used and r.seq not in self._unverified:
+                self._unverified[r.seq] = _Unverified(SUFFIX, len(r.history), draft.tokens, draft.confidence)
         return proposals
+
+    def _settle(self, r: DraftRequest) -> None:
+        """Compare the slot's unverified draft with the tokens since; once it is settled (a
+        token differed, or all were compared) the policy learns from it."""
+        pending = self._unverified.get(r.seq)
+        if pending is None:
+            return
+        since = r.history[pending.at:pending.at + len(pending.tokens)]
+        accepted = next((i for i, token in enumerate(since) if token != pending.tokens[i]), len(since))
+        if accepted < len(since) or len(since) == len(pending.tokens):
+            del self._unverified[r.seq]
+            self.policy.unverified(r.record, pending.drafter, pending.confidence, len(since), accepted)
 
     def _suffix_probe(self, r: DraftRequest, draft: Draft | None, n_generating: int) -> Proposal | None:
         if draft is None or not draft.tokens:
@@ -116,7 +147,7 @@ class Speculator:
                                         confidence=draft.confidence, calibrated=False)
         if choice.length < max(1, r.draft_min):
             return None
-        return Proposal(Choice(SUFFIX, choice.length, choice.expected, probe=True), draft.tokens[:choice.length])
+        return Proposal(replace(choice, probe=True), draft.tokens[:choice.length])
 
     def _suffix(self, requests: list[DraftRequest]) -> dict[int, Draft]:
         if self.suffix is None or not requests:
@@ -133,16 +164,19 @@ class Speculator:
         # The draft model drafts every slot's k-th token in one decode: a slot's own cost is the
         # steps of the longest draft, whoever else drafts along.
         self.policy.costs.drafted(time.perf_counter() - started, max(c.length for _, c in wanted))
-        return {r.seq: Proposal(Choice(c.drafter, len(d.tokens), c.expected, c.value, c.probe), d.tokens)
+        return {r.seq: Proposal(replace(c, length=len(d.tokens)), d.tokens)
                 for (r, c), d in zip(wanted, drafts, strict=True)}
 
     def verified(self, record: SlotRecord, choice: Choice, drafted: int, accepted: int) -> None:
         """The target verified ``drafted`` of the proposal's tokens (the step may have had room
         for fewer than proposed) and accepted ``accepted``."""
-        self.policy.observe(record, Choice(choice.drafter, drafted, choice.expected, choice.value, choice.probe),
-                            accepted)
+        stated = choice.confidence[:drafted] if choice.confidence is not None else None
+        # Built, not dataclasses.replace: this runs every verification, and replace costs ~50 us.
+        verified = Choice(choice.drafter, drafted, choice.expected, choice.value, choice.probe, stated)
+        self.policy.observe(record, verified, accepted)
 
     def release(self, seq: int) -> None:
+        self._unverified.pop(seq, None)
         for drafter in (self.suffix, self.model):
             if drafter is not None:
                 drafter.release(seq)

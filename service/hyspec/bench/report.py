@@ -253,8 +253,10 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
         out += ["", "`α auto` rows: the same drafts offered to `--spec auto`; ÷ max(plain, fixed α): " + ", ".join(
             f"{r.target} {label.removesuffix(' auto')} {_x(v['vs_best_fixed'])}"
             for r, s in oracle if not r.error for label, v in s["settings"].items() if label.endswith(" auto"))]
-        out += ["", "Fixed drafts of draft-max tokens, cut at the first wrong one, so acceptance is α; the "
-                "output is the plain run's (same tokens). Milliseconds are per request; a rollback's cost is "
+        out += ["", "Fixed drafts of draft-max tokens, each token right with probability α (a drafted token "
+                "whose predecessors were accepted is accepted with probability α; accepted counts all drafted "
+                "tokens, those after a wrong one too); the output is the plain run's (same tokens). "
+                "Milliseconds are per request; a rollback's cost is "
                 "its restore plus the replay decode; share of time is their part of the request's wall time.",
                 ""]
 

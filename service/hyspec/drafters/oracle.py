@@ -2,11 +2,12 @@
 
 Given the target's real greedy continuation of a prompt (recorded from a plain run), it
 proposes, position by position, the reference token with probability ``alpha`` and a wrong
-token otherwise, and ends the draft at its first wrong token (everything after it would be
-rejected anyway). So every drafted token is accepted with probability ``alpha``: the
-measured acceptance is ``alpha``, while the output, decided by the greedy target, stays
-exactly the plain run's. The cost of speculation and rollback can then be charted against
-acceptance on any target, with no draft model of the right quality.
+token otherwise, each position on its own, for the whole length asked. So a drafted token whose
+predecessors were accepted is accepted with probability ``alpha``, while the output, decided by
+the greedy target, stays exactly the plain run's. Like a real drafter it cannot tell where it
+went wrong: a fixed length is verified in full, whatever follows a wrong token. The cost of
+speculation and rollback can then be charted against acceptance on any target, with no draft
+model of the right quality.
 
 Once an output leaves the reference (a near-tie that a batched verify broke the other way)
 the drafter cannot know the continuation and proposes nothing; ``diverged`` counts those
@@ -67,15 +68,9 @@ class OracleDrafter:
             self.diverged += 1
             self._prompt_of[item.seq] = None  # stays off the reference: no more drafts
             return []
-        draft: list[int] = []
-        for token in reference[done:done + item.max_len]:
-            if self._rng.random() < self.alpha:
-                draft.append(token)
-            else:
-                # Any token but the right one: the greedy target rejects it (short of a near-tie).
-                draft.append(token - 1 if token > 0 else 1)
-                break
-        return draft
+        # A wrong token is any but the right one: the greedy target rejects it (short of a near-tie).
+        return [token if self._rng.random() < self.alpha else (token - 1 if token > 0 else 1)
+                for token in reference[done:done + item.max_len]]
 
     def release(self, seq: int) -> None:
         self._prompt_of.pop(seq, None)
