@@ -48,10 +48,9 @@ class Proposal:
 
 @dataclass
 class _Unverified:
-    """A free draft a slot was offered and did not verify. The tokens the target goes on with
-    show how much of it would have been accepted: a record learns without paying a probe."""
+    """A suffix draft (free) a slot was offered and did not verify. The tokens the target goes on
+    with show how much of it would have been accepted: a record learns without paying a probe."""
 
-    drafter: str
     at: int  # the history's length when it was drafted
     tokens: list[int]
     confidence: list[float] | None
@@ -122,7 +121,7 @@ class Speculator:
             draft = suffix_drafts.get(r.seq)
             used = r.seq in proposals and proposals[r.seq].choice.drafter == SUFFIX
             if draft is not None and draft.tokens and not used and r.seq not in self._unverified:
-                self._unverified[r.seq] = _Unverified(SUFFIX, len(r.history), draft.tokens, draft.confidence)
+                self._unverified[r.seq] = _Unverified(len(r.history), draft.tokens, draft.confidence)
         return proposals
 
     def _settle(self, r: DraftRequest) -> None:
@@ -135,7 +134,7 @@ class Speculator:
         accepted = next((i for i, token in enumerate(since) if token != pending.tokens[i]), len(since))
         if accepted < len(since) or len(since) == len(pending.tokens):
             del self._unverified[r.seq]
-            self.policy.unverified(r.record, pending.drafter, pending.confidence, len(since), accepted)
+            self.policy.unverified(r.record, SUFFIX, pending.confidence, len(since), accepted)
 
     def _suffix_probe(self, r: DraftRequest, draft: Draft | None, n_generating: int) -> Proposal | None:
         if draft is None or not draft.tokens:
