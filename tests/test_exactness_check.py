@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from hyspec import _native as N
 from hyspec.engine import Engine, EngineConfig
-from hyspec.exactness import check
+from hyspec.exactness import _cdf_bound, _draw_distance, _select, check
 from hyspec.types import GenerationRequest, SamplingParams
 
 PROMPT = [1, 4021, 977, 15000, 301, 8812, 64, 20931]
@@ -49,3 +49,20 @@ def test_a_sampled_token_the_chain_cuts_is_rejected(tiny_lfm2: Path) -> None:
     verdict = check(tiny_lfm2, PROMPT, wrong, sampling=SAMPLED)
     assert not verdict.ok and verdict.mismatch is not None and verdict.mismatch.index == 3, verdict.describe()
     assert verdict.mismatch.gap == float("inf")
+
+
+def test_near_equal_candidates_walked_by_logit_may_change_places() -> None:
+    """Top-k walks its candidates by logit: candidates within the noise of each other may swap
+    places, moving the intervals by their whole probability (the trained target's flat
+    positions, where the draw landed three candidates away). A fixed order, or candidates
+    further apart than the noise, does not allow it."""
+    flat = np.array([3.0, 1.004, 1.003, 1.002, 1.001, 1.0], np.float32)
+    weights = np.exp(flat - flat.max()) / np.exp(flat - flat.max()).sum()
+    draw = float(weights[0] + 0.1 * weights[1])  # early in candidate 1's interval
+    assert _select(np.arange(6), flat, draw) == 1
+    distance = _draw_distance(flat, draw, 4)
+    assert distance > 2 * weights[1]  # two whole candidates away: no weight change reaches it
+    assert _cdf_bound(flat, 1, 4, 0.005, 0.0) >= distance  # within 2 x noise: 4 may come first
+    assert _cdf_bound(flat, 1, 4, 0.001, 0.0) < distance  # 1.001 vs 1.004: too far for this noise
+    by_id = flat[[0, 2, 1, 4, 3, 5]]  # the same candidates walked by token id: they cannot swap
+    assert _cdf_bound(by_id, 1, 4, 0.005, 0.0) < _draw_distance(by_id, draw, 4)

@@ -119,3 +119,75 @@ def test_rollbacks_the_rule_allows_are_exact(tiny_lfm2: Path) -> None:
                 corrupted += 1
     assert n_safe > 10 and worst_safe < NOISE, (n_safe, worst_safe)
     assert corrupted > 0, "some unsafe rollbacks are expected to corrupt"
+
+
+def test_every_sequence_keeps_its_state_under_scheduler_shaped_churn(tiny_lfm2: Path) -> None:
+    """The scheduler's use of the ring, with every sequence checked after every decode, not only
+    the ones rolled back: requests come and go (a freed sequence may hold a pending ring
+    rollback), prompts arrive in chunks, drafted sequences go last and roll back by the ring
+    where ``safe_rollbacks`` allows it, by checkpoint and replay elsewhere."""
+    model = N.Model(str(tiny_lfm2))
+    n_batch, checked, by_ring, by_checkpoint, freed_pending, worst = 64, 0, 0, 0, 0, 0.0
+    for seed in range(4):
+        rng = random.Random(seed)
+        n_seq = 4
+        ctx = N.Context(model, n_ctx=2048, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_seq, n_threads=2,
+                        n_rs_seq=RING, kv_unified=True)
+        memory: dict[int, list[int]] = {}  # each live sequence's tokens in memory
+        feed: dict[int, list[int]] = {}  # what it feeds next: the rest of its prompt, or one token
+        pending: set[int] = set()
+        for _ in range(30):
+            for seq in list(memory):
+                if rng.random() < 0.1 or len(memory[seq]) > 300:
+                    freed_pending += seq in pending
+                    ctx.memory_seq_rm(seq, -1, -1)
+                    del memory[seq], feed[seq]
+            for seq in set(range(n_seq)) - set(memory):
+                if rng.random() < 0.5:
+                    memory[seq], feed[seq] = [], [rng.randrange(200, 5000) for _ in range(rng.randrange(2, 90))]
+            steps, room = [], n_batch
+            for seq in sorted(memory, key=lambda _: rng.random()):
+                draft = [rng.randrange(200, 5000) for _ in range(rng.randrange(1, RING + 1))] \
+                    if len(feed[seq]) == 1 and rng.random() < 0.5 else []
+                fed = feed[seq][:max(0, room - len(draft))]
+                if fed:
+                    steps.append((seq, fed, draft))
+                    room -= len(fed) + len(draft)
+            steps.sort(key=lambda p: (bool(p[2]), p[0]))  # drafted sequences last, as the scheduler does
+            seqs = [seq for seq, fed, draft in steps for _ in fed + draft]
+            safe = safe_rollbacks(ubatches(seqs, n_batch, RING), RING)
+            saved = {seq: (len(memory[seq]), ctx.state_seq_get(seq, partial=True))
+                     for seq, _, draft in steps if draft and safe[seq] < len(draft)}
+            ctx.decode([t for _, fed, draft in steps for t in fed + draft],
+                       [len(memory[s]) + k for s, fed, draft in steps for k in range(len(fed + draft))],
+                       seqs, [True] * len(seqs))
+            pending.clear()
+            replay: list[tuple[int, list[int]]] = []
+            first = 0
+            for seq, fed, draft in steps:
+                worst = max(worst, _error_after(model, memory[seq] + fed, ctx.logits(first + len(fed) - 1)))
+                checked += 1
+                first += len(fed) + len(draft)
+                kept = len(memory[seq]) + len(fed) + rng.randrange(0, len(draft) + 1)
+                memory[seq] += fed + draft
+                feed[seq] = feed[seq][len(fed):] or [rng.randrange(200, 5000)]
+                if kept < len(memory[seq]) and seq in saved:
+                    length, data = saved[seq]
+                    ctx.state_seq_set(seq, data, partial=True)
+                    assert ctx.memory_seq_rm(seq, length, -1)
+                    replay.append((seq, memory[seq][length:kept]))
+                    del memory[seq][length:]
+                    by_checkpoint += 1
+                elif kept < len(memory[seq]):
+                    assert ctx.memory_seq_rm(seq, kept, -1)
+                    del memory[seq][kept:]
+                    pending.add(seq)
+                    by_ring += 1
+            lost = [(seq, k, t) for seq, tokens in replay for k, t in enumerate(tokens)]
+            if lost:
+                ctx.decode([t for _, _, t in lost], [len(memory[s]) + k for s, k, _ in lost], [s for s, _, _ in lost],
+                           [False] * len(lost))
+                for seq, tokens in replay:
+                    memory[seq] += tokens
+    assert by_ring > 20 and by_checkpoint > 5 and freed_pending > 0, (by_ring, by_checkpoint, freed_pending)
+    assert worst < NOISE, f"a sequence's logits moved by {worst:.3f} after {checked} checks"

@@ -128,25 +128,34 @@ def _draw_distance(logits: np.ndarray, draw: float, index: int) -> float:
 
 
 def _cdf_bound(logits: np.ndarray, plain: int, got: int, noise: float, edge_mass: float) -> float:
-    """The most logit noise of ``noise`` (each candidate's logit moved by at most that much
-    against the others) can move the cumulative distribution towards candidate ``got`` from the
-    draw in candidate ``plain``'s interval: the candidates between them pushed one way and the
-    rest the other, the two swapping places in the chain's order when they are that close, and
-    ``edge_mass``, the probability of the tokens that the same noise can move into or out of
-    the chain's cut (top-k, top-p, min-p)."""
+    """How far logit noise of ``noise`` (each candidate's logit moved by at most that much
+    against the others) can move candidate ``got``'s interval of the cumulative distribution
+    towards the draw in candidate ``plain``'s interval: the candidates before ``got`` pushed
+    one way and the rest the other. Where the chain walks its candidates by logit (top-k sorts
+    them), every candidate within ``2 * noise`` of ``got`` may also change places with it: on a
+    flat distribution several near-equal candidates reorder at once, each moving the
+    intervals by its whole probability (seen on the trained target: ``got`` three places
+    after the plain token, all four within 0.01 logits). Plus ``edge_mass``, the probability
+    of the tokens that the same noise can move into or out of the chain's cut (top-k, top-p,
+    min-p)."""
     weights = np.exp((logits - logits.max()).astype(np.float64))
     weights /= weights.sum()
-    boundary = got if got > plain else got + 1  # candidates before the boundary facing the draw
-    before = weights[:boundary].sum()
-    shift = 0.0
-    for sign in (1.0, -1.0):
-        moved = weights.copy()
-        moved[:boundary] *= np.exp(sign * noise)
-        moved[boundary:] *= np.exp(-sign * noise)
-        shift = max(shift, abs(float(moved[:boundary].sum() / moved.sum() - before)))
-    if abs(float(logits[plain] - logits[got])) <= 2 * noise:
-        shift += abs(float(weights[plain] - weights[got]))
-    return shift + edge_mass
+    order = np.arange(len(logits))
+    others = order != got
+    if bool(np.all(np.diff(logits) <= 0)):  # walked by logit: near-equal candidates may swap
+        always_before = others & (logits > logits[got] + 2 * noise)
+        maybe_before = others & (logits >= logits[got] - 2 * noise)
+    else:  # walked in a fixed order (token ids): only the weights move
+        always_before = maybe_before = order < got
+    cumulative = np.concatenate([[0.0], np.cumsum(weights)])
+    if got > plain:  # the draw lies before got's interval: how early can that interval start?
+        moved = weights * np.where(always_before, np.exp(-noise), np.exp(noise))
+        reach = float(cumulative[got] - moved[always_before].sum() / moved.sum())
+    else:  # the draw lies after it: how late can it end?
+        upto = maybe_before | ~others
+        moved = weights * np.where(upto, np.exp(noise), np.exp(-noise))
+        reach = float(moved[upto].sum() / moved.sum() - cumulative[got + 1])
+    return max(reach, 0.0) + edge_mass
 
 
 def _edge_mass(raw: np.ndarray, ids: np.ndarray, logits: np.ndarray, noise: float, temperature: float) -> float:
