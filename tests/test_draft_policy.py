@@ -178,6 +178,27 @@ def test_a_drafter_that_stopped_paying_is_probed_ever_more_rarely() -> None:
     assert gaps[:3] == [32, 64, 128]
 
 
+def test_a_new_request_starts_with_the_probe_backoff_of_the_requests_before() -> None:
+    """A draft model that never pays is not probed afresh by every request (each probe makes it
+    catch up on the whole history); one accepted probe gives the next request the short wait."""
+    suffix, model = _Fixed([], None), _Fixed([9] * 8, None)
+    spec = _speculator(suffix, model, costs(draft_token=0.09), model_prior=0.5)
+
+    def first_probe(accepted: int) -> int:
+        record = SlotRecord()  # a new request
+        for step in range(1, 200):
+            proposal = spec.propose([_request(record=record)], 1).get(0)
+            if proposal is not None:
+                spec.verified(record, proposal.choice, 1, accepted)
+                return step
+        raise AssertionError("never probed")
+
+    assert first_probe(0) == 16  # nothing known yet
+    assert first_probe(0) == 32  # one failure before: the wait doubles
+    assert [first_probe(0) for _ in range(3)] == [64, 64, 64]  # no more than 64 from earlier requests
+    assert first_probe(1) == 64 and first_probe(0) == 16  # a probe found something: back to the start
+
+
 @pytest.mark.parametrize("mode", [SpecMode.NGRAM, SpecMode.DRAFT])
 def test_fixed_modes_use_their_drafter_at_full_length_when_not_adaptive(mode: SpecMode) -> None:
     suffix, model = _Fixed([7] * 8, [0.01] * 8), _Fixed([9] * 8, None)
