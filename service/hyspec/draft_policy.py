@@ -42,6 +42,11 @@ CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of st
 CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
 
 
+def _bounded(chance: float) -> float:
+    """A chance of acceptance within [0, MAX_ACCEPTANCE]."""
+    return min(MAX_ACCEPTANCE, max(0.0, chance))
+
+
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - _WEIGHT) * old + _WEIGHT * new
 
@@ -154,7 +159,7 @@ class Calibration:
     def chance(self, confidence: float) -> float:
         band = self._band(confidence)
         chance = (self.accepted[band] + CALIBRATION_PRIOR * confidence) / (self.compared[band] + CALIBRATION_PRIOR)
-        return min(MAX_ACCEPTANCE, max(0.0, chance))
+        return _bounded(chance)
 
     def update(self, confidence: list[float], accepted: int, decay: float = 0.98) -> None:
         """One verification of tokens drafted with these confidences, ``accepted`` of them in a
@@ -184,11 +189,11 @@ class SlotRecord:
         one (read through its calibration, if given), else the global per-position rate, pulled
         towards this slot's record."""
         if confidence is not None:
-            return [calibration.chance(c) if calibration is not None else min(MAX_ACCEPTANCE, max(0.0, c))
+            return [calibration.chance(c) if calibration is not None else _bounded(c)
                     for c in confidence[:len(global_rates)]]
         own = (self.accepted + PRIOR_WEIGHT * _mean(global_rates)) / (self.compared + PRIOR_WEIGHT)
         shift = own / max(_mean(global_rates), 1e-6)
-        return [min(MAX_ACCEPTANCE, max(0.0, rate * shift)) for rate in global_rates]
+        return [_bounded(rate * shift) for rate in global_rates]
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted:
