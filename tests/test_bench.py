@@ -195,3 +195,35 @@ def test_oracle_acceptance_is_alpha_and_divergence_stops_drafting() -> None:
     assert _tokens(drafter, _item(0, prompt + [7, 7], 8)) == []  # off the reference: nothing to propose
     assert drafter.diverged == 1
     assert _tokens(drafter, _item(0, prompt + reference[:3], 8)) == []  # stays off until released
+
+
+# -- the report's ratios, on made-up runs (no model) ------------------------------------------
+
+
+def _side(rates: list[float]) -> Any:
+    from hyspec.bench.records import Run
+    from hyspec.bench.runner import Side
+
+    return Side(runs=[Run(tokens=[1], tokens_per_second=r, ttft_ms=1.0) for r in rates],
+                batches=[1.0] * len(rates), peak_rss_kb=1)
+
+
+def test_ratios_are_taken_against_the_configuration_with_the_best_median() -> None:
+    from hyspec.bench.report import summarize
+    from hyspec.bench.runner import Result
+
+    # Two llama-server types and hyspec's plain and fixed modes trade places pair by pair; the
+    # best type (ngram-mod) and the best setting (fixed) are the ones with the best median.
+    r = Result("versus", 2, "n-gram", "t", "ngram", sides={
+        "hyspec": _side([10.0, 10.0, 10.0]),
+        "hyspec off": _side([9.0, 11.0, 9.0]),
+        "hyspec auto": _side([10.0, 10.0, 10.0]),
+        "llama-server ngram-simple": _side([12.0, 8.0, 8.0]),
+        "llama-server ngram-mod": _side([9.0, 10.0, 10.0]),
+    })
+    s = summarize(r)
+    assert s["tokens_per_second"]["best_peer"] == "ngram-mod"
+    assert s["tokens_per_second"]["ratio"] == pytest.approx(1.0)  # per pair 10/9, 10/10, 10/10
+    # Per-pair maxima (12, 11, 10 and 10, 11, 10) would have read 0.83 and 0.91.
+    assert s["auto"]["vs_best_fixed"] == pytest.approx(1.0)
+    assert s["auto"]["vs_llama"] == pytest.approx(1.0)

@@ -229,11 +229,13 @@ class Runner:
                 on_hyspec(prompts[0], mode)
             for peer in peers.values():
                 peer.run(prompts[:1], **args)
+            order = [(HYSPEC, mode) for mode in hyspec] + [(LLAMA, name) for name in peers]
             for i in range(self.s.pairs):
-                for mode, side in hyspec.items():
-                    side.add(on_hyspec(prompts[i + 1], mode))
-                for name, peer in peers.items():
-                    llama[name].add(peer.run([prompts[i + 1]], **args))
+                for who, setting in _rotated(order, i):
+                    if who == HYSPEC:
+                        hyspec[setting].add(on_hyspec(prompts[i + 1], setting))
+                    else:
+                        llama[setting].add(peers[setting].run([prompts[i + 1]], **args))
                 progress(f"pair {i + 1}/{self.s.pairs}: " + ", ".join(
                     f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
             for side in hyspec.values():
@@ -268,20 +270,16 @@ class Runner:
             settings: list[tuple[str, float | None]] = [("plain", None)] + [(f"α={a:g}", a) for a in sc.alphas]
             worker.call("alpha", alpha=sc.alphas[0], seed=10_000)  # warm-up of the speculative path
             worker.run([prompt], spec="ngram", **run)
+            runs = [(label, alpha, spec) for label, alpha in settings
+                    for spec in (("off",) if alpha is None else ("ngram", "auto"))]
             for i in range(self.s.pairs):
-                line = []
-                for label, alpha in settings:
-                    side = result.sides.setdefault(label, Side())
-                    if alpha is None:
-                        side.add(worker.run([prompt], spec="off", **run))
-                    else:
+                for label, alpha, spec in _rotated(runs, i):
+                    if alpha is not None:
                         worker.call("alpha", alpha=alpha, seed=i)
-                        side.add(worker.run([prompt], spec="ngram", **run))
-                        auto = result.sides.setdefault(f"{label} auto", Side())
-                        worker.call("alpha", alpha=alpha, seed=i)
-                        auto.add(worker.run([prompt], spec="auto", **run))
-                    line.append(f"{label} {side.runs[-1].tokens_per_second:.1f}")
-                progress(f"round {i + 1}/{self.s.pairs}: " + ", ".join(line) + " tok/s")
+                    name = f"{label} auto" if spec == "auto" else label
+                    result.sides.setdefault(name, Side()).add(worker.run([prompt], spec=spec, **run))
+                progress(f"round {i + 1}/{self.s.pairs}: " + ", ".join(
+                    f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
             rss = worker.peak_rss_kb()
         for side in result.sides.values():
             side.peak_rss_kb = rss
@@ -406,6 +404,16 @@ class Runner:
                 check(prompt, run.tokens)
         check.verdict(result)
         return result
+
+
+T = TypeVar("T")
+
+
+def _rotated(items: list[T], i: int) -> list[T]:
+    """Pair ``i``'s order of the settings: each pair starts one later, so that no setting always
+    runs first or right after another (the machine drifts within a pair too)."""
+    k = i % len(items)
+    return items[k:] + items[:k]
 
 
 def side_name(who: str, mode: str, own: str) -> str:
