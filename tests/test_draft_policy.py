@@ -3,8 +3,6 @@ synthetic costs and acceptance: no model."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from hyspec.draft_policy import (
     Acceptance,
@@ -16,7 +14,7 @@ from hyspec.draft_policy import (
     expected_gain,
 )
 from hyspec.drafters import Draft, DraftItem
-from hyspec.speculation import DRAFT_MODEL, SUFFIX, DraftRequest, Proposal, Speculator, propose_timed
+from hyspec.speculation import DRAFT_MODEL, SUFFIX, DraftRequest, Proposal, Speculator
 from hyspec.types import SpecMode
 
 
@@ -129,10 +127,6 @@ class _Fixed:
 
     def __init__(self, tokens: list[int], confidence: list[float] | None) -> None:
         self.tokens, self.confidence, self.calls = tokens, confidence, 0
-        self.last_catch_up = (0, 0.0)  # as a draft model: never behind
-
-    def behind(self, seq: int, history: list[int]) -> int:
-        return 0
 
     def propose(self, items: list[DraftItem]) -> list[Draft]:
         self.calls += 1
@@ -151,7 +145,7 @@ def _speculator(suffix: _Fixed, model: _Fixed, c: Costs, model_prior: float) -> 
 
 
 def _request(mode: SpecMode = SpecMode.AUTO, record: SlotRecord | None = None) -> DraftRequest:
-    return DraftRequest(0, [1, 2, 3], 2, mode, 8, 0, True, record or SlotRecord(), 1000)
+    return DraftRequest(0, [1, 2, 3], 2, mode, 8, 0, True, record or SlotRecord())
 
 
 def test_auto_takes_a_confident_suffix_match_without_running_the_draft_model() -> None:
@@ -205,56 +199,11 @@ def test_a_new_request_starts_with_the_probe_backoff_of_the_requests_before() ->
     assert first_probe(1) == 64 and first_probe(0) == 16  # a probe found something: back to the start
 
 
-class _Behind(_Fixed):
-    """A draft model that must first read ``behind`` tokens; reading them takes ``seconds``."""
-
-    def __init__(self, behind: int, seconds: float = 0.0) -> None:
-        super().__init__([9] * 8, None)
-        self.tokens_behind, self.seconds = behind, seconds
-
-    def behind(self, seq: int, history: list[int]) -> int:
-        return self.tokens_behind
-
-    def propose(self, items: list[DraftItem]) -> list[Draft]:
-        time.sleep(self.seconds)
-        self.last_catch_up = (self.tokens_behind, self.seconds)
-        return super().propose(items)
-
-
-def test_a_draft_model_is_not_probed_when_catching_up_costs_more_than_the_request_has_left() -> None:
-    """Each probe of an idle draft model makes it read every token since it last drafted: at
-    0.02 s a token and 0.1 s a step, 100 tokens behind are worth probing for a request with 1000
-    tokens to go (2 s of 100 s), not for one with 200 (2 s of 20 s)."""
-
-    def probes(remaining: int, behind: int) -> int:
-        spec = _speculator(_Fixed([], None), _Behind(behind), costs(draft_token=0.09), model_prior=0.5)
-        spec.policy.costs.catch_up_token = 0.02
-        record, count = SlotRecord(), 0
-        for _ in range(100):
-            request = DraftRequest(0, [1, 2, 3], 2, SpecMode.AUTO, 8, 0, True, record, remaining)
-            if spec.propose([request], 1):
-                count += 1
-        return count
-
-    assert probes(remaining=1000, behind=100) > 0
-    assert probes(remaining=200, behind=100) == 0
-    assert probes(remaining=200, behind=5) > 0
-
-
-def test_catching_up_is_not_counted_as_the_cost_of_drafting() -> None:
-    """A probe that reads 100 tokens of history before drafting one must not make the draft
-    model look 100 times as slow per drafted token (it would never be used again)."""
-    policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
-    propose_timed(_Behind(100, seconds=0.05), [DraftItem(0, [1, 2, 3], 1)], policy.costs)
-    assert policy.costs.catch_up_token == pytest.approx(0.05 / 101, rel=0.2)
-    assert policy.costs.draft_token < 0.02
-
-
 @pytest.mark.parametrize("mode", [SpecMode.NGRAM, SpecMode.DRAFT])
 def test_fixed_modes_use_their_drafter_at_full_length_when_not_adaptive(mode: SpecMode) -> None:
     suffix, model = _Fixed([7] * 8, [0.01] * 8), _Fixed([9] * 8, None)
     spec = _speculator(suffix, model, costs(draft_token=0.09), model_prior=0.01)
-    request = DraftRequest(0, [1, 2, 3], 2, mode, 8, 0, False, SlotRecord(), 1000)
+    request = DraftRequest(0, [1, 2, 3], 2, mode, 8, 0, False, SlotRecord())
     proposal = spec.propose([request], 1)[0]
     assert len(proposal.tokens) == 8 and proposal.choice.drafter == (SUFFIX if mode is SpecMode.NGRAM else DRAFT_MODEL)
 
@@ -321,7 +270,7 @@ def _generate(spec: Speculator, text: list[int], n_prompt: int, steps: int) -> l
     """``steps`` steps of one slot whose target writes ``text``: drafts verified against it."""
     history, record, seen = text[:n_prompt], SlotRecord(), []
     for _ in range(steps):
-        request = DraftRequest(0, list(history), n_prompt, SpecMode.AUTO, 8, 0, True, record, 1000)
+        request = DraftRequest(0, list(history), n_prompt, SpecMode.AUTO, 8, 0, True, record)
         proposal = spec.propose([request], 1).get(0)
         seen.append(proposal)
         at = len(history)

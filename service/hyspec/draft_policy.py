@@ -62,7 +62,6 @@ class Costs:
 
     passes: dict[int, float] = field(default_factory=dict)  # a one-ubatch decode's time by its tokens
     draft_token: float = 0.0  # a draft model's token (all slots drafting together share it)
-    catch_up_token: float = 0.0  # a history token the draft model decodes to catch up (a prefill)
     rollback: float = 0.0  # restoring a checkpoint and replaying, on a hybrid target
     _widths: list[int] = field(default_factory=list, repr=False)  # sorted keys of passes
 
@@ -106,10 +105,6 @@ class Costs:
     def drafted(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
             self.draft_token = _ema(self.draft_token or None, seconds / tokens)
-
-    def caught_up(self, seconds: float, tokens: int) -> None:
-        if tokens > 0:
-            self.catch_up_token = _ema(self.catch_up_token or None, seconds / tokens)
 
     def rolled_back(self, seconds: float) -> None:
         self.rollback = _ema(self.rollback or None, seconds)
@@ -267,10 +262,6 @@ class SpeculationPolicy:
     # every token since it last drafted, so probing a draft that never pays afresh in every
     # request cost a short request ~10% (the trained pair's draft mode read 0.91x plain).
     INHERITED_PROBE_FAILURES = 2
-    # A draft model's probe first makes it read every token since it last drafted (~0.2 target
-    # steps per token for a Q8_0 copy of the target): worth it only while that is a small part
-    # of what the request has left to generate.
-    PROBE_BUDGET = 0.05
 
     def __init__(self, *, hybrid: bool, rollback_costs: bool) -> None:
         self.costs = Costs()
@@ -322,12 +313,6 @@ class SpeculationPolicy:
         return best_length(chances, self.costs, rate=self.rate(n_generating), base=max(1, n_generating),
                            draft_model=draft_model, own_pass=self.hybrid and n_generating > 1,
                            rollback=self.rollback_costs)
-
-    def worth_catching_up(self, behind: int, remaining: int, n_generating: int) -> bool:
-        """Whether a draft model ``behind`` tokens behind may be probed for a slot that may
-        still generate ``remaining`` tokens: its catch-up costs at most PROBE_BUDGET of them."""
-        catch_up = behind * self.costs.catch_up_token
-        return catch_up <= self.PROBE_BUDGET * remaining * self.costs.pass_time(max(1, n_generating))
 
     def probe(self, slot: SlotRecord) -> bool:
         """Whether a slot that drafts nothing should try a drafter now (a drafter's worth can

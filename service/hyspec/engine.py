@@ -201,9 +201,9 @@ class Engine:
         if self.default_spec not in self.speculator.modes:
             raise ValueError("--spec draft needs a draft model (--draft PATH)")
         # Costs measured before the first request, so that no request pays for learning them.
-        calibrate(self.ctx, policy, rollback, self._calibration_prompt(), self.speculator.model,
+        calibrate(self.ctx, policy, rollback, self._calibration_prompt(), drafters.get(SpecMode.DRAFT),
                   max_width=config.draft_max + 1)
-        model_drafter = self.speculator.model
+        model_drafter = drafters.get(SpecMode.DRAFT)
         if isinstance(model_drafter, DraftModelDrafter) and model_drafter.cache is not None:
             model_drafter.cache.clear()  # nothing of the calibration is worth keeping
         self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.scratch_seq is not None else None

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol, cast
 
 import numpy as np
 
 from hyspec._native import Context
-from hyspec.draft_policy import Choice, Costs, SlotRecord, SpeculationPolicy
+from hyspec.draft_policy import Choice, SlotRecord, SpeculationPolicy
 from hyspec.drafters import Draft, Drafter, DraftItem
 from hyspec.rollback import SeqRollback
 from hyspec.types import SpecMode
@@ -39,7 +38,6 @@ class DraftRequest:
     draft_min: int
     adaptive: bool
     record: SlotRecord
-    remaining: int  # tokens the request may still generate
 
 
 @dataclass
@@ -58,22 +56,10 @@ class _Unverified:
     confidence: list[float] | None
 
 
-class ModelDrafter(Drafter, Protocol):
-    """A drafter running a model (drafters/draft_model.py): it must first read the history it
-    has not seen, which costs far more per token than the suffix drafter's lookups."""
-
-    last_catch_up: tuple[int, float]  # the last proposal's catch-up: tokens, seconds
-
-    def behind(self, seq: int, history: list[int]) -> int:
-        """Tokens of ``history`` it would read before drafting for ``seq``."""
-        ...
-
-
 class Speculator:
     def __init__(self, drafters: dict[SpecMode, Drafter], policy: SpeculationPolicy) -> None:
         self.suffix = drafters.get(SpecMode.NGRAM)
-        model = drafters.get(SpecMode.DRAFT)
-        self.model = model if model is None else cast(ModelDrafter, model)
+        self.model = drafters.get(SpecMode.DRAFT)
         self.policy = policy
         self._unverified: dict[int, _Unverified] = {}  # per slot, at most one at a time
 
@@ -121,9 +107,7 @@ class Speculator:
                     if probe is not None:
                         proposals[r.seq] = probe
                     elif self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1 \
-                            and self.policy.could_pay(r.max_len, n_generating, draft_model=True) \
-                            and self.policy.worth_catching_up(self.model.behind(r.seq, r.history), r.remaining,
-                                                              n_generating):
+                            and self.policy.could_pay(r.max_len, n_generating, draft_model=True):
                         model_wanted.append((r, Choice(DRAFT_MODEL, 1, probe=True)))
                 continue
             r.record.idle_steps = 0
@@ -175,7 +159,11 @@ class Speculator:
         if self.model is None or not wanted:
             return {}
         items = [DraftItem(r.seq, r.history, c.length, r.n_prompt) for r, c in wanted]
-        drafts = propose_timed(self.model, items, self.policy.costs)
+        started = time.perf_counter()
+        drafts = self.model.propose(items)
+        # The draft model drafts every slot's k-th token in one decode: a slot's own cost is the
+        # steps of the longest draft, whoever else drafts along.
+        self.policy.costs.drafted(time.perf_counter() - started, max(c.length for _, c in wanted))
         return {r.seq: Proposal(Choice(c.drafter, len(d.tokens), c.expected, c.value, c.probe), d.tokens)
                 for (r, c), d in zip(wanted, drafts, strict=True)}
 
@@ -194,26 +182,8 @@ class Speculator:
                 drafter.release(seq)
 
 
-def propose_timed(model: ModelDrafter, items: list[DraftItem], costs: Costs) -> list[Draft]:
-    """The draft model's drafts, its time credited to the costs: the catch-up on history it
-    had not seen as such (less one draft token: its first decode also drafts), the rest as
-    draft steps. It drafts every slot's k-th token in one decode: a slot's own cost is the
-    steps of the longest draft, whoever else drafts along."""
-    started = time.perf_counter()
-    drafts = model.propose(items)
-    elapsed = time.perf_counter() - started
-    behind, first_decode = model.last_catch_up
-    if behind > 0:
-        catch_up = max(0.0, first_decode - costs.draft_token) if costs.draft_token else \
-            first_decode * behind / (behind + len(items))
-        costs.caught_up(catch_up, behind)
-        elapsed -= catch_up
-    costs.drafted(elapsed, max(item.max_len for item in items))
-    return drafts
-
-
 def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, prompt: list[int],
-              model: ModelDrafter | None, max_width: int) -> None:
+              model: Drafter | None, max_width: int) -> None:
     """Measure what a decode pass of each verify width up to ``max_width`` tokens, a draft-model
     token and a rollback cost here, on sequence 0 of an idle context (cleared again), and how
     often the draft model agrees with the target on a short greedy run from ``prompt``."""
@@ -250,13 +220,15 @@ def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, pr
         _calibrate_model(model, policy, prompt, greedy)
 
 
-def _calibrate_model(model: ModelDrafter, policy: SpeculationPolicy, prompt: list[int], greedy: list[int]) -> None:
-    """The draft model's cost per token (and per token of catching up: its first call reads
-    the prompt) and its agreement with the target's greedy run, as the prior of its acceptance
-    record (on sequence 0 of its context, released again)."""
+def _calibrate_model(model: Drafter, policy: SpeculationPolicy, prompt: list[int], greedy: list[int]) -> None:
+    """The draft model's cost per token and its agreement with the target's greedy run, as the
+    prior of its acceptance record (on sequence 0 of its context, released again)."""
     agreed = 0
     for i in range(len(greedy) - 1):
-        draft = propose_timed(model, [DraftItem(0, prompt + greedy[:i + 1], 1, len(prompt))], policy.costs)[0]
+        started = time.perf_counter()
+        draft = model.propose([DraftItem(0, prompt + greedy[:i + 1], 1, len(prompt))])[0]
+        if i:  # the first call decodes the prompt
+            policy.costs.drafted(time.perf_counter() - started, 1)
         agreed += int(bool(draft.tokens) and draft.tokens[0] == greedy[i + 1])
     model.release(0)
     policy.record(DRAFT_MODEL).prior = float(np.clip(agreed / max(1, len(greedy) - 1), 0.05, 0.95))

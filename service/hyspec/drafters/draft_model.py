@@ -7,7 +7,6 @@ the target (a recurrent draft needs checkpoints too, or it drifts and acceptance
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from hyspec._native import Context, Model
@@ -54,26 +53,13 @@ class DraftModelDrafter:
         # a conversation does not make the draft read the whole history again.
         recurrent = self.rollback.method is not RollbackMethod.SEQ_RM
         self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.scratch_seq is not None else None
-        # The last proposal's catch-up: history tokens decoded beyond the one each slot drafts
-        # from, and the seconds of the decode that held them (a prefill, not drafting).
-        self.last_catch_up: tuple[int, float] = (0, 0.0)
-
-    def behind(self, seq: int, history: list[int]) -> int:
-        """Tokens of ``history`` the draft memory of ``seq`` lacks: what a draft now would first
-        decode (all of it for a sequence it has not seen, whatever its prefix cache holds)."""
-        state = self._seqs.get(seq)
-        return len(history) - (common_prefix(state.tokens, history[:-1]) if state is not None else 0)
 
     def propose(self, items: list[DraftItem]) -> list[Draft]:
         drafts: dict[int, list[int]] = {item.seq: [] for item in items}
         active = [item for item in items if item.max_len > 0]
-        self.last_catch_up = (0, 0.0)
         if active:
             # 1. Bring each draft sequence to the item's history and draft its first token.
-            feeds = {item.seq: self._sync(item) for item in active}
-            started = time.perf_counter()
-            first = self._decode_last(feeds)
-            self.last_catch_up = (sum(len(f) for f in feeds.values()) - len(feeds), time.perf_counter() - started)
+            first = self._decode_last({item.seq: self._sync(item) for item in active})
             for item in active:
                 drafts[item.seq].append(first[item.seq])
                 state = self._seqs[item.seq]
