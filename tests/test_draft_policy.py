@@ -180,7 +180,8 @@ def test_a_drafter_that_stopped_paying_is_probed_ever_more_rarely() -> None:
 
 def test_a_new_request_starts_with_the_probe_backoff_of_the_requests_before() -> None:
     """A draft model that never pays is not probed afresh by every request (each probe makes it
-    catch up on the whole history); one accepted probe gives the next request the short wait."""
+    catch up on the whole history); a draft accepted on its merits gives the next request the
+    short wait."""
     suffix, model = _Fixed([], None), _Fixed([9] * 8, None)
     spec = _speculator(suffix, model, costs(draft_token=0.09), model_prior=0.5)
 
@@ -196,7 +197,18 @@ def test_a_new_request_starts_with_the_probe_backoff_of_the_requests_before() ->
     assert first_probe(0) == 16  # nothing known yet
     assert first_probe(0) == 32  # one failure before: the wait doubles
     assert [first_probe(0) for _ in range(3)] == [64, 64, 64]  # no more than 64 from earlier requests
-    assert first_probe(1) == 64 and first_probe(0) == 16  # a probe found something: back to the start
+    # An accepted probe alone does not end the backoff (at acceptance 0.3 a third of them are) ...
+    assert first_probe(1) == 64 and first_probe(0) == 64
+    # ... a draft chosen on its merits and accepted does: once the record is low again (here:
+    # the text turned predictable, then unpredictable), probes start over.
+    spec.policy.acceptance[DRAFT_MODEL] = Acceptance(prior=0.95)
+    record = SlotRecord()
+    proposal = spec.propose([_request(record=record)], 1)[0]
+    assert not proposal.choice.probe
+    spec.verified(record, proposal.choice, len(proposal.tokens), 1)
+    spec.policy.acceptance[DRAFT_MODEL] = Acceptance(prior=0.5)
+    spec.policy.costs.draft_token = 0.09  # the fake's drafts took no time: the cost as it was
+    assert first_probe(0) == 16
 
 
 @pytest.mark.parametrize("mode", [SpecMode.NGRAM, SpecMode.DRAFT])
