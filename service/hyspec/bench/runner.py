@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import tempfile
 import time
 from collections.abc import Callable
@@ -231,7 +232,7 @@ class Runner:
                 peer.run(prompts[:1], **args)
             order = [(HYSPEC, mode) for mode in hyspec] + [(LLAMA, name) for name in peers]
             for i in range(self.s.pairs):
-                for who, setting in _rotated(order, i):
+                for who, setting in _shuffled(order, i):
                     if who == HYSPEC:
                         hyspec[setting].add(on_hyspec(prompts[i + 1], setting))
                     else:
@@ -267,17 +268,19 @@ class Runner:
             run = {"max_tokens": self.s.max_tokens, "draft_max": self.s.draft_max}
             reference = worker.run([prompt], spec="off", **run).runs[0].tokens  # also the warm-up
             worker.call("reference", prompt=prompt, tokens=reference)
-            settings: list[tuple[str, float | None]] = [("plain", None)] + [(f"α={a:g}", a) for a in sc.alphas]
             worker.call("alpha", alpha=sc.alphas[0], seed=10_000)  # warm-up of the speculative path
             worker.run([prompt], spec="ngram", **run)
-            runs = [(label, alpha, spec) for label, alpha in settings
-                    for spec in (("off",) if alpha is None else ("ngram", "auto"))]
+            # Each setting: its name, α (None: no drafts) and the mode that runs it.
+            runs: list[tuple[str, float | None, str]] = [("plain", None, "off")]
+            for a in sc.alphas:
+                runs += [(f"α={a:g}", a, "ngram"), (f"α={a:g} auto", a, "auto")]
+            for name, _, _ in runs:  # the report's order, whatever order the pairs run in
+                result.sides[name] = Side()
             for i in range(self.s.pairs):
-                for label, alpha, spec in _rotated(runs, i):
+                for name, alpha, spec in _shuffled(runs, i):
                     if alpha is not None:
                         worker.call("alpha", alpha=alpha, seed=i)
-                    name = f"{label} auto" if spec == "auto" else label
-                    result.sides.setdefault(name, Side()).add(worker.run([prompt], spec=spec, **run))
+                    result.sides[name].add(worker.run([prompt], spec=spec, **run))
                 progress(f"round {i + 1}/{self.s.pairs}: " + ", ".join(
                     f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
             rss = worker.peak_rss_kb()
@@ -409,11 +412,12 @@ class Runner:
 T = TypeVar("T")
 
 
-def _rotated(items: list[T], i: int) -> list[T]:
-    """Pair ``i``'s order of the settings: each pair starts one later, so that no setting always
-    runs first or right after another (the machine drifts within a pair too)."""
-    k = i % len(items)
-    return items[k:] + items[:k]
+def _shuffled(items: list[T], i: int) -> list[T]:
+    """Pair ``i``'s order of the settings, an order of its own (seeded): no setting always runs
+    first, nor always right after the same other one. Both matter here: the machine drifts
+    within a pair, and a request right after another process's runs slower than one after a run
+    of its own process (a rotation would keep every setting's predecessor)."""
+    return random.Random(i).sample(items, len(items))
 
 
 def side_name(who: str, mode: str, own: str) -> str:
