@@ -40,17 +40,21 @@ def _rates(side: Side) -> list[float | None]:
     return [x.tokens_per_second for x in side.runs]
 
 
+def _median_rate(side: Side) -> float:
+    """What makes a side (a configuration) the best: its median tokens/s. Ratios are taken
+    against the best side pair by pair: taking the best side of each pair instead would credit
+    the others with the luck of whichever side the noise favoured in that pair."""
+    return median(_rates(side)) or 0.0
+
+
 def _best(*sides: Side) -> Side:
-    """The side (a configuration) with the best median tokens/s. Ratios are taken against it pair
-    by pair: taking the best side of each pair instead would credit the others with the luck of
-    whichever side the noise favoured in that pair."""
-    return max(sides, key=lambda side: median(_rates(side)) or 0.0)
+    return max(sides, key=_median_rate)
 
 
 def _versus_summary(r: Result) -> dict[str, Any]:
     h = r.sides[HYSPEC]
     peers = {name: side for name, side in r.sides.items() if name.startswith(LLAMA)}
-    best_name = max(peers, key=lambda name: median(_rates(peers[name])) or 0.0)
+    best_name = max(peers, key=lambda name: _median_rate(peers[name]))
     ll = peers[best_name]
     best = _rates(ll)
     tps_h = _rates(h)
