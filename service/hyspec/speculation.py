@@ -98,17 +98,16 @@ class Speculator:
                 options.append((choice, []))
             best = max(options, key=lambda o: o[0].value, default=None)
             if best is None or best[0].length < max(1, r.draft_min) or best[0].value <= 0:
-                # Nothing pays now. A drafter is still tried now and then, or its record (and
-                # the calibration of its confidence) could never learn that the text became
-                # predictable: the suffix drafter with what its stated confidence supports
-                # (all of it without one), else the draft model with one token.
-                if r.adaptive and self.policy.probe(r.record):
-                    probe = self._suffix_probe(r, draft, n_generating)
-                    if probe is not None:
-                        proposals[r.seq] = probe
-                    elif self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1 \
-                            and self.policy.could_pay(r.max_len, n_generating, draft_model=True):
-                        model_wanted.append((r, Choice(DRAFT_MODEL, 1, probe=True)))
+                # Nothing pays now. The draft model is still tried now and then with one token,
+                # or its record could never learn that the text became predictable. The suffix
+                # drafter needs no probe: its declined drafts cost nothing and are compared with
+                # the tokens the target writes (_settle), which is how its record learns (a
+                # probe verified a whole draft, and on a hybrid target a rejection meant a
+                # rollback: scenario 4's α = 0.6 paid ~10% for probes of eight tokens).
+                if r.adaptive and self.policy.probe(r.record) and self.model is not None \
+                        and r.mode in (SpecMode.AUTO, SpecMode.DRAFT) and r.draft_min <= 1 \
+                        and self.policy.could_pay(r.max_len, n_generating, draft_model=True):
+                    model_wanted.append((r, Choice(DRAFT_MODEL, 1, probe=True)))
                 continue
             r.record.idle_steps = 0
             choice, tokens = best
@@ -135,19 +134,6 @@ class Speculator:
         if accepted < len(since) or len(since) == len(pending.tokens):
             del self._unverified[r.seq]
             self.policy.unverified(r.record, SUFFIX, pending.confidence, len(since), accepted)
-
-    def _suffix_probe(self, r: DraftRequest, draft: Draft | None, n_generating: int) -> Proposal | None:
-        if draft is None or not draft.tokens:
-            return None
-        if draft.confidence is None:
-            choice = Choice(SUFFIX, len(draft.tokens))
-        else:
-            choice = self.policy.choose(r.record, SUFFIX, len(draft.tokens), n_generating,
-                                        confidence=draft.confidence, calibrated=False)
-        if choice.length < max(1, r.draft_min):
-            return None
-        probe = Choice(SUFFIX, choice.length, choice.expected, choice.value, True, choice.confidence)
-        return Proposal(probe, draft.tokens[:choice.length])
 
     def _suffix(self, requests: list[DraftRequest]) -> dict[int, Draft]:
         if self.suffix is None or not requests:
