@@ -182,12 +182,13 @@ def test_oracle_acceptance_is_alpha_and_divergence_stops_drafting() -> None:
     from hyspec.drafters.oracle import OracleDrafter
 
     prompt, reference = [5, 6], list(range(1000, 1100))
-    drafter = OracleDrafter(alpha=0.6, seed=3)
+    drafter = OracleDrafter()
     drafter.add_reference(prompt, reference)
     drafted = accepted = 0
-    for done in range(1, 90):
-        for seq in range(30):
-            draft = _tokens(drafter, _item(seq, prompt + reference[:done], 8))
+    for seed in range(30):
+        drafter.set_alpha(0.6, seed)
+        for done in range(1, 90):
+            draft = _tokens(drafter, _item(seed, prompt + reference[:done], 8))
             drafted += len(draft)
             accepted += sum(1 for k, token in enumerate(draft) if token == reference[done + k])
     assert abs(accepted / drafted - 0.6) < 0.03
@@ -195,6 +196,32 @@ def test_oracle_acceptance_is_alpha_and_divergence_stops_drafting() -> None:
     assert _tokens(drafter, _item(0, prompt + [7, 7], 8)) == []  # off the reference: nothing to propose
     assert drafter.diverged == 1
     assert _tokens(drafter, _item(0, prompt + reference[:3], 8)) == []  # stays off until released
+
+
+def test_oracle_settings_with_the_same_seed_meet_the_same_wrong_positions() -> None:
+    """Whatever lengths a setting drafts, and in whatever order, an output position is right or
+    wrong for every setting given the seed: a pair's settings differ in policy, not in luck."""
+    from hyspec.drafters.oracle import OracleDrafter
+
+    prompt, reference = [5, 6], list(range(1000, 1100))
+
+    def right_positions(lengths: list[int]) -> dict[int, bool]:
+        drafter = OracleDrafter(alpha=0.5, seed=7)
+        drafter.add_reference(prompt, reference)
+        seen: dict[int, bool] = {}
+        done = 1
+        for n in lengths * 40:
+            if done + n > 90:
+                break
+            draft = _tokens(drafter, _item(0, prompt + reference[:done], n))
+            seen.update({done + k: token == reference[done + k] for k, token in enumerate(draft)})
+            done += 1 + n // 2
+        return seen
+
+    fixed, varied = right_positions([8]), right_positions([1, 3, 8, 2])
+    common = fixed.keys() & varied.keys()
+    assert len(common) > 40 and all(fixed[j] == varied[j] for j in common)
+    assert 0 < sum(fixed.values()) < len(fixed)  # both kinds occur
 
 
 # -- the report's ratios, on made-up runs (no model) ------------------------------------------

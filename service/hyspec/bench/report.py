@@ -262,7 +262,8 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
             for r, s in oracle if not r.error for label, v in s["settings"].items() if label.endswith(" auto"))]
         out += ["", "Fixed drafts of draft-max tokens, each token right with probability α (a drafted token "
                 "whose predecessors were accepted is accepted with probability α; accepted counts all drafted "
-                "tokens, those after a wrong one too); the output is the plain run's (same tokens). "
+                "tokens, those after a wrong one too); which output positions are drafted wrong is drawn once "
+                "per pair, the same for every setting of the pair; the output is the plain run's (same tokens). "
                 "Milliseconds are per request; a rollback's cost is "
                 "its restore plus the replay decode; share of time is their part of the request's wall time.",
                 ""]

@@ -4,10 +4,15 @@ Given the target's real greedy continuation of a prompt (recorded from a plain r
 proposes, position by position, the reference token with probability ``alpha`` and a wrong
 token otherwise, each position on its own, for the whole length asked. So a drafted token whose
 predecessors were accepted is accepted with probability ``alpha``, while the output, decided by
-the greedy target, stays exactly the plain run's. Like a real drafter it cannot tell where it
-went wrong: a fixed length is verified in full, whatever follows a wrong token. The cost of
-speculation and rollback can then be charted against acceptance on any target, with no draft
-model of the right quality.
+the greedy target, stays exactly the plain run's. Which output positions are drafted wrong is
+drawn once per seed, not per call: every setting given the same seed meets the same wrong
+positions, whatever lengths it drafts, so a pair of settings compares their policies and not
+their luck (drawn per call, a setting drafting other lengths drew other wrong tokens; scenario
+4's fixed drafts at α = 0.9 had 2 to 10 rollbacks a request from one pair to the next).
+
+Like a real drafter it cannot tell where it went wrong: a fixed length is verified in full,
+whatever follows a wrong token. The cost of speculation and rollback can then be charted against
+acceptance on any target, with no draft model of the right quality.
 
 Once an output leaves the reference (a near-tie that a batched verify broke the other way)
 the drafter cannot know the continuation and proposes nothing; ``diverged`` counts those
@@ -34,6 +39,7 @@ class OracleDrafter:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         self.alpha = alpha
         self._rng = random.Random(seed)
+        self._right: list[bool] = []  # by output position: drafted right or wrong (drawn on first use)
 
     def add_reference(self, prompt: list[int], continuation: list[int]) -> None:
         """The target's greedy continuation of ``prompt`` (at least as long as the outputs to draft)."""
@@ -69,8 +75,13 @@ class OracleDrafter:
             self._prompt_of[item.seq] = None  # stays off the reference: no more drafts
             return []
         # A wrong token is any but the right one: the greedy target rejects it (short of a near-tie).
-        return [token if self._rng.random() < self.alpha else (token - 1 if token > 0 else 1)
-                for token in reference[done:done + item.max_len]]
+        return [token if self._is_right(done + i) else (token - 1 if token > 0 else 1)
+                for i, token in enumerate(reference[done:done + item.max_len])]
+
+    def _is_right(self, position: int) -> bool:
+        while len(self._right) <= position:
+            self._right.append(self._rng.random() < self.alpha)
+        return self._right[position]
 
     def release(self, seq: int) -> None:
         self._prompt_of.pop(seq, None)
