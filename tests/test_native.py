@@ -412,10 +412,13 @@ def test_tokenize_and_detokenize_release_the_gil(gemma: Path) -> None:
         many = ids * n
         return lambda: model.detokenize(many)
 
+    # A call that holds the GIL for its 0.2 s or more leaves the other thread at most one switch
+    # interval (5 ms): under 0.025 of its pace. Released, it keeps more, though not all of it:
+    # converting the arguments and building the result hold the GIL (detokenize kept 0.095 once).
     kept, took = _ticks_during_a_long_call(tokenize, 8000)
-    assert took >= 0.2 and kept > 0.1, (kept, took)
+    assert took >= 0.2 and kept > 0.05, (kept, took)
     kept, took = _ticks_during_a_long_call(detokenize, 80)
-    assert took >= 0.2 and kept > 0.1, (kept, took)
+    assert took >= 0.2 and kept > 0.05, (kept, took)
 
 
 def test_model_load_can_be_cancelled(tiny_lfm2: Path) -> None:
