@@ -254,9 +254,10 @@ class _Copying:
         pass
 
 
-def _generate(spec: Speculator, text: list[int], n_prompt: int, steps: int) -> list[Proposal | None]:
+def _generate(spec: Speculator, text: list[int], n_prompt: int, steps: int,
+              record: SlotRecord | None = None) -> list[Proposal | None]:
     """``steps`` steps of one slot whose target writes ``text``: drafts verified against it."""
-    history, record, seen = text[:n_prompt], SlotRecord(), []
+    history, record, seen = text[:n_prompt], record or SlotRecord(), []
     for _ in range(steps):
         request = DraftRequest(0, list(history), n_prompt, SpecMode.AUTO, 8, 0, True, record)
         proposal = spec.propose([request], 1).get(0)
@@ -274,19 +275,39 @@ def test_drafts_stated_below_their_worth_are_learnt_from_without_verifying_them(
     """Copied text that the suffix drafter has seen once states 0.75 a token, below what a
     verified token costs here (0.8 of a step): taken at its word it would never be drafted.
     The target's own tokens show, at no cost, that such drafts are right: drafting starts
-    after the first unverified draft is settled, long before a probe."""
+    as each token of the first unverified draft comes, long before a probe, and lengthens as
+    the tails of the drafts it verifies in part are found right too."""
     text = list(range(100, 300))
     spec, policy = _suffix_only(_Copying(text, 10, 0.75), per_token=0.08)  # type: ignore[arg-type]
     seen = _generate(spec, text, 10, 40)
     first = next(i for i, p in enumerate(seen) if p is not None)
-    assert first < SpeculationPolicy.PROBE_EVERY - 1 and not seen[first].choice.probe  # type: ignore[union-attr]
-    assert len(seen[first].tokens) >= 2  # type: ignore[union-attr]
+    assert first <= 2 and not seen[first].choice.probe  # type: ignore[union-attr]
+    full = next(i for i, p in enumerate(seen) if p is not None and len(p.tokens) == 8)
+    assert full <= 15  # 19 when drafts were learnt from only once settled, and tails never
     assert policy.calibration(SUFFIX).chance(0.75) > 0.9
     # The same statement, wrong from the third token of every draft: it learns that too.
     wrong = _Copying(text, 10, 0.75, wrong_from=0)
     spec, policy = _suffix_only(wrong, per_token=0.08)  # type: ignore[arg-type]
     assert all(p is None for p in _generate(spec, text, 10, 40))
     assert policy.calibration(SUFFIX).chance(0.75) < 0.2
+
+
+def test_every_token_a_free_drafter_offered_is_compared_once() -> None:
+    """The target's tokens show how much of each suffix draft was right: the part a slot verified
+    through the verification, the rest (all of a declined draft, the tail beyond a verified part)
+    as the target writes it. No token counts twice (a draft verified over an earlier declined
+    one's tokens supersedes it), and none written under a draft goes uncompared (the token the
+    target adds after a verified part is compared with the tail's first)."""
+    text = list(range(100, 300))
+    spec, _ = _suffix_only(_Copying(text, 10, None), per_token=0.08)  # type: ignore[arg-type]
+    record = SlotRecord()  # counts every comparison of a drafter without confidence, unfaded
+    seen = _generate(spec, text, 10, 20, record)
+    offered, at = set(), 10  # the positions some draft offered a token for
+    for p in seen:
+        offered.update(range(at, at + 8))
+        at += (len(p.tokens) if p is not None else 0) + 1
+    assert record.compared == len(offered & set(range(10, at)))
+    assert any(p is not None and len(p.tokens) < 8 for p in seen)  # there were tails to compare
 
 
 def test_a_drafter_without_confidence_whose_acceptance_rose_drafts_again_without_probes() -> None:

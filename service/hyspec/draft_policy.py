@@ -132,18 +132,19 @@ class Acceptance:
             return min(MAX_ACCEPTANCE, self.accepted[position] / self.compared[position])
         return self.prior
 
-    def update(self, drafted: int, accepted: int, decay: float = 0.98) -> None:
-        """One verification: tokens after the first rejection were never compared. Older
-        observations fade by ``decay`` per token compared, so the record follows what the
-        drafter does now (a verification of eight tokens says more than one of a single token)."""
+    def update(self, drafted: int, accepted: int, decay: float = 0.98, offset: int = 0) -> None:
+        """One verification of a draft's tokens from position ``offset`` on (its earlier ones were
+        accepted): tokens after the first rejection were never compared. Older observations
+        fade by ``decay`` per token compared, so the record follows what the drafter does now
+        (a verification of eight tokens says more than one of a single token)."""
         compared = min(drafted, accepted + 1)
         fade = decay ** compared
         for i in range(compared):
-            while len(self.compared) <= i:
+            while len(self.compared) <= offset + i:
                 self.compared.append(0.0)
                 self.accepted.append(0.0)
-            self.compared[i] = fade * self.compared[i] + 1.0
-            self.accepted[i] = fade * self.accepted[i] + (1.0 if i < accepted else 0.0)
+            self.compared[offset + i] = fade * self.compared[offset + i] + 1.0
+            self.accepted[offset + i] = fade * self.accepted[offset + i] + (1.0 if i < accepted else 0.0)
 
 
 @dataclass
@@ -349,15 +350,22 @@ class SpeculationPolicy:
 
     def unverified(self, slot: SlotRecord, drafter: str, confidence: list[float] | None, compared: int,
                    accepted: int) -> None:
-        """A draft nobody verified, checked against the ``compared`` tokens the target went on
-        with: the first ``accepted`` matched (then one differed, if ``accepted < compared``).
-        It counts as a verification would have: towards the confidence's calibration, or the
-        drafter's and the slot's acceptance record."""
+        """Tokens of a draft nobody verified, checked as the target writes them: ``compared`` more
+        of them are known, the first ``accepted`` matched (then one differed, if ``accepted <
+        compared``). They count as a verification's would, token by token as they come: towards
+        the confidence's calibration, or the slot's record (the drafter's per-position record
+        learns from the whole draft once it is settled)."""
         if compared <= 0:
             return
         if confidence is not None:
             self.calibration(drafter).update(confidence[:compared], accepted)
         else:
-            self.record(drafter).update(compared, accepted)
             slot.update(compared, accepted)
         slot.declined.pop(drafter, None)
+
+    def settled(self, drafter: str, offset: int, compared: int, accepted: int) -> None:
+        """An unverified draft stating no confidence is settled from its position ``offset`` on:
+        ``compared`` of its tokens were checked, the first ``accepted`` matched. The drafter's
+        per-position record learns from it as from a verification."""
+        if compared > 0:
+            self.record(drafter).update(compared, accepted, offset=offset)

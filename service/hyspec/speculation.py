@@ -48,12 +48,16 @@ class Proposal:
 
 @dataclass
 class _Unverified:
-    """A suffix draft (free) a slot was offered and did not verify. The tokens the target goes on
-    with show how much of it would have been accepted: a record learns without paying a probe."""
+    """A suffix draft (free) whose tokens, or the tail of them a slot did not verify, are compared
+    with the tokens the target goes on with: a record learns without paying a probe, and a slot
+    that verifies short drafts learns whether longer ones would have been right."""
 
     at: int  # the history's length when it was drafted
     tokens: list[int]
     confidence: list[float] | None
+    verified: int = 0  # the leading tokens a verification compared (it learnt from them)
+    compared: int = 0  # the tokens known so far (the policy has learnt from those)
+    accepted: int = 0  # how many of them matched, in a row
 
 
 class Speculator:
@@ -117,23 +121,54 @@ class Speculator:
                 proposals[r.seq] = Proposal(choice, tokens)
         proposals.update(self._model(model_wanted))
         for r in requests:
-            draft = suffix_drafts.get(r.seq)
-            used = r.seq in proposals and proposals[r.seq].choice.drafter == SUFFIX
-            if draft is not None and draft.tokens and not used and r.seq not in self._unverified:
-                self._unverified[r.seq] = _Unverified(len(r.history), draft.tokens, draft.confidence)
+            self._keep_unverified(r, suffix_drafts.get(r.seq), proposals.get(r.seq))
         return proposals
 
+    def _keep_unverified(self, r: DraftRequest, draft: Draft | None, proposal: Proposal | None) -> None:
+        """What of this step's suffix draft is compared with the target's tokens to come: all of
+        it when the slot does not verify it (unless an earlier draft is still being compared), the
+        tail beyond what it verifies when it verifies a part. A verified suffix draft supersedes
+        an earlier unverified one (their tokens would be counted twice)."""
+        if draft is None or not draft.tokens:
+            return
+        if proposal is not None and proposal.choice.drafter == SUFFIX:
+            self._drop_unverified(r.seq)
+            used = len(proposal.tokens)
+            if used < len(draft.tokens):
+                self._unverified[r.seq] = _Unverified(len(r.history), draft.tokens, draft.confidence,
+                                                         verified=used, compared=used, accepted=used)
+        elif r.seq not in self._unverified:
+            self._unverified[r.seq] = _Unverified(len(r.history), draft.tokens, draft.confidence)
+
     def _settle(self, r: DraftRequest) -> None:
-        """Compare the slot's unverified draft with the tokens since; once it is settled (a
-        token differed, or all were compared) the policy learns from it."""
+        """Compare the slot's unverified draft with the tokens written since: the policy learns
+        from each token as it comes, and from the whole once it is settled (a token differed,
+        or all were compared)."""
         pending = self._unverified.get(r.seq)
         if pending is None:
             return
         since = r.history[pending.at:pending.at + len(pending.tokens)]
         accepted = next((i for i, token in enumerate(since) if token != pending.tokens[i]), len(since))
+        if accepted < pending.verified:  # the verification rejected it: it learnt all there was
+            self._drop_unverified(r.seq)
+            return
+        compared = min(len(since), accepted + 1)
+        confidence = pending.confidence
+        new = slice(pending.compared, compared)
+        self.policy.unverified(r.record, SUFFIX, confidence[new] if confidence is not None else None,
+                               compared - pending.compared, accepted - pending.compared)
+        pending.compared, pending.accepted = compared, accepted
         if accepted < len(since) or len(since) == len(pending.tokens):
-            del self._unverified[r.seq]
-            self.policy.unverified(r.record, SUFFIX, pending.confidence, len(since), accepted)
+            self._drop_unverified(r.seq)
+
+    def _drop_unverified(self, seq: int) -> None:
+        """The slot's unverified draft is settled, superseded or its request ended: the record of
+        a drafter without confidence learns from what of it was compared (a calibration learnt
+        token by token)."""
+        pending = self._unverified.pop(seq, None)
+        if pending is not None and pending.confidence is None:
+            self.policy.settled(SUFFIX, pending.verified, pending.compared - pending.verified,
+                                pending.accepted - pending.verified)
 
     def _suffix(self, requests: list[DraftRequest]) -> dict[int, Draft]:
         if self.suffix is None or not requests:
@@ -162,7 +197,7 @@ class Speculator:
         self.policy.observe(record, verified, accepted)
 
     def release(self, seq: int) -> None:
-        self._unverified.pop(seq, None)
+        self._drop_unverified(seq)
         for drafter in (self.suffix, self.model):
             if drafter is not None:
                 drafter.release(seq)
