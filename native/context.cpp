@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <thread>
 #include <unordered_map>
 
@@ -250,6 +251,33 @@ py::array_t<float> Context::logits_all() {
     return out;
 }
 
+// The first index of the largest of n logits. std::max_element compares one element at a time
+// (~1 ns each: 0.27 ms per output over Gemma 3's 262k-token vocabulary, 2.4 ms for a verify of
+// nine); sixteen running maxima vectorize, then a scan by blocks of sixteen finds the first
+// index that holds the maximum.
+static int32_t first_argmax(const float * src, int32_t n) {
+    constexpr int32_t W = 16;
+    float lanes[W];
+    std::fill(lanes, lanes + W, -std::numeric_limits<float>::infinity());
+    int32_t i = 0;
+    for (; i + W <= n; i += W) {
+        for (int32_t j = 0; j < W; ++j) lanes[j] = lanes[j] < src[i + j] ? src[i + j] : lanes[j];
+    }
+    float best = lanes[0];
+    for (int32_t j = 1; j < W; ++j) best = best < lanes[j] ? lanes[j] : best;
+    for (; i < n; ++i) best = best < src[i] ? src[i] : best;
+    int32_t b = 0;
+    for (; b + W <= n; b += W) {
+        bool hit = false;
+        for (int32_t j = 0; j < W; ++j) hit |= src[b + j] == best;
+        if (hit) break;
+    }
+    for (int32_t k = b; k < n; ++k) {
+        if (src[k] == best) return k;
+    }
+    return static_cast<int32_t>(std::max_element(src, src + n) - src);  // only NaNs get here
+}
+
 py::array_t<int32_t> Context::argmax_all() {
     Guard guard(*this);
     const size_t n = output_batch_index_.size();
@@ -265,7 +293,7 @@ py::array_t<int32_t> Context::argmax_all() {
                 missing = true;
                 break;
             }
-            dst[k] = static_cast<int32_t>(std::max_element(src, src + n_vocab_) - src);
+            dst[k] = first_argmax(src, n_vocab_);
         }
     }
     if (missing) throw Error("llama.cpp has no logits for output " + std::to_string(k));

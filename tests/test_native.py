@@ -105,6 +105,14 @@ def test_mixed_batch_of_two_sequences_gives_outputs_in_batch_order(tiny_lfm2: Pa
     assert list(ctx.argmax_all()) == [int(np.argmax(both[0])), int(np.argmax(both[1]))]
 
 
+def test_argmax_all_is_the_first_largest_logit_of_every_output(tiny_lfm2: Path) -> None:
+    ctx = make_ctx(tiny_lfm2)
+    tokens = PROMPT + MORE
+    ctx.decode(tokens, range(len(tokens)), [0] * len(tokens), [True] * len(tokens))
+    logits = ctx.logits_all()
+    assert list(ctx.argmax_all()) == [int(np.argmax(row)) for row in logits]  # numpy: the first maximum
+
+
 # -- metadata, tokenizer ------------------------------------------------------------------
 
 
