@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 from exactness import assert_plain
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hyspec import _native as N
 from hyspec import prefix_cache
 from hyspec.engine import Engine, EngineConfig
-from hyspec.prefix_cache import CacheSizing, PrefixCache
+from hyspec.prefix_cache import CacheSizing, PrefixCache, common_prefix
 from hyspec.types import FinishReason, GenerationRequest, Result, SpecMode, SpecParams
 
 BATCH = 16  # prompts prefill in chunks of 16: a hybrid target keeps a checkpoint every 16 tokens
@@ -21,6 +23,15 @@ RNG = random.Random(11)
 P1 = [128000] + [RNG.randint(200, 30000) for _ in range(40)]
 
 Factory = Callable[..., Engine]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=600), st.data())
+def test_common_prefix_is_the_length_of_the_longest_shared_start(a: list[int], data: st.DataObject) -> None:
+    shared = data.draw(st.integers(0, len(a)))
+    b = a[:shared] + data.draw(st.lists(st.integers(0, 3), max_size=50))
+    brute = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert common_prefix(a, b) == common_prefix(b, a) == brute
 
 
 @pytest.fixture(params=["tiny_lfm2", "tiny_llama"])

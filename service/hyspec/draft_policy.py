@@ -128,9 +128,17 @@ class Acceptance:
     prior: float = 0.5  # before any observation (calibrated at start-up where possible)
 
     def rate(self, position: int) -> float:
-        if position < len(self.compared) and self.compared[position] >= 1.0:
-            return min(MAX_ACCEPTANCE, self.accepted[position] / self.compared[position])
+        """The chance at ``position``, the prior counting as one observation: a position seen
+        once or twice (deep ones, after a record of short accepted runs) must not read as
+        certainty, nor as hopeless."""
+        if position < len(self.compared):
+            return _bounded((self.accepted[position] + self.prior) / (self.compared[position] + 1.0))
         return self.prior
+
+    def overall(self) -> float:
+        """The chance of any compared token, whatever its position (the prior as one observation):
+        what a slot's own record, which does not keep positions, is measured against."""
+        return _bounded((sum(self.accepted) + self.prior) / (sum(self.compared) + 1.0))
 
     def update(self, drafted: int, accepted: int, decay: float = 0.98, offset: int = 0) -> None:
         """One verification of a draft's tokens from position ``offset`` on (its earlier ones were
@@ -188,26 +196,23 @@ class SlotRecord:
     # their inputs change only with observations, so the choice stands for a few steps.
     declined: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def chances(self, global_rates: list[float], confidence: list[float] | None,
-                calibration: Calibration | None) -> list[float]:
+    def chances(self, global_rates: list[float], global_overall: float, confidence: list[float] | None,
+                calibration: Calibration) -> list[float]:
         """The chance each drafted token is accepted: the drafter's own confidence where it has
-        one (read through its calibration, if given), else the global per-position rate, pulled
-        towards this slot's record."""
+        one (read through its calibration), else the global per-position rate, scaled by how
+        this slot's record compares with the global one over all positions (both pool every
+        compared token: an unweighted mean of the per-position rates had let a deep position
+        seen once, at 0.98, hide a slot's 35 of 41 against a record of 0.3)."""
         if confidence is not None:
-            return [calibration.chance(c) if calibration is not None else _bounded(c)
-                    for c in confidence[:len(global_rates)]]
-        own = (self.accepted + PRIOR_WEIGHT * _mean(global_rates)) / (self.compared + PRIOR_WEIGHT)
-        shift = own / max(_mean(global_rates), 1e-6)
+            return [calibration.chance(c) for c in confidence[:len(global_rates)]]
+        own = (self.accepted + PRIOR_WEIGHT * global_overall) / (self.compared + PRIOR_WEIGHT)
+        shift = own / max(global_overall, 1e-6)
         return [_bounded(rate * shift) for rate in global_rates]
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.accepted += accepted
             self.compared += min(drafted, accepted + 1)
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def expected_gain(chances: list[float]) -> list[float]:
@@ -298,7 +303,7 @@ class SpeculationPolicy:
         record = self.record(drafter)
         rates = [record.rate(i) for i in range(max_len)]
         stated = confidence[:max_len] if confidence is not None else None
-        chances = slot.chances(rates, stated, self.calibration(drafter))
+        chances = slot.chances(rates, record.overall(), stated, self.calibration(drafter))
         k, value = self._best_length(chances, n_generating, draft_model=draft_model)
         if confidence is None and k == 0:
             slot.declined[drafter] = (max_len, n_generating)

@@ -58,11 +58,20 @@ class CacheStats:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two lists share. List comparisons run in C: the usual case (one
+    extends the other) is one comparison, and a difference is found by halving, not by a Python
+    loop over every token (a draft model's sync does this each step, over the whole history)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:
+        return n
+    same, differs = 0, n  # a[:same] == b[:same]; the first difference is before `differs`
+    while differs - same > 1:
+        mid = (same + differs) // 2
+        if a[same:mid] == b[same:mid]:
+            same = mid
+        else:
+            differs = mid
+    return same
 
 
 def kv_bytes_per_token(model: Model) -> int:
