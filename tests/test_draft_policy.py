@@ -82,6 +82,18 @@ def test_a_pass_is_costed_by_its_width_between_and_beyond_the_widths_seen() -> N
     assert c.pass_time(10) == pytest.approx(0.8 * 0.024 + 0.2 * 0.036)
 
 
+def test_a_wide_pass_is_costed_by_its_multiple_of_the_step_when_the_machine_drifts() -> None:
+    """A nine-token pass timed in a slow spell (steps of 85 ms) is worth 2.8 steps: when the
+    machine is fast again (60 ms), it costs 2.8 of those, not the 240 ms it took then."""
+    c = Costs()
+    for _ in range(20):
+        c.decoded(0.085, [1])
+    c.decoded(0.238, [9])
+    for _ in range(20):
+        c.decoded(0.060, [1])
+    assert c.pass_time(9) == pytest.approx(0.060 * 2.8, rel=0.01)
+
+
 def test_a_costly_second_token_rules_out_short_drafts_but_not_long_likely_ones() -> None:
     """On a CPU the second token of a pass can cost most of a weight pass, the next few little:
     a one-token draft does not pay there, eight very likely ones do, eight even odds do not."""

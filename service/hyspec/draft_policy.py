@@ -62,16 +62,21 @@ class Costs:
     A decode's time is far from linear in its tokens on a CPU: going from one token to two can
     cost most of a weight pass (matrix-vector kernels give way to matrix-matrix ones) while the
     next few are nearly free, so a pass's time is kept per width (tokens in the ubatch) and
-    interpolated between the widths seen."""
+    interpolated between the widths seen. Wider passes are kept as multiples of the one-token
+    pass measured when they ran: a shared machine drifts between fast and slow spells (plain
+    steps of 60 or 85 ms from one request to the next here), and a nine-token pass timed in a slow
+    spell, held against one-token passes of a fast one, made drafting look 40% dearer than it was."""
 
-    passes: dict[int, float] = field(default_factory=dict)  # a one-ubatch decode's time by its tokens
+    step: float = 0.0  # a one-token pass (0: none seen)
+    relative: dict[int, float] = field(default_factory=dict)  # a wider pass's time ÷ step's, by width
     draft_token: float = 0.0  # a draft model's token (all slots drafting together share it)
     rollback: float = 0.0  # restoring a checkpoint and replaying, on a hybrid target
-    _widths: list[int] = field(default_factory=list, repr=False)  # sorted keys of passes
+    _widths: list[int] = field(default_factory=list, repr=False)  # sorted keys of relative
 
     def decoded(self, seconds: float, ubatch_sizes: list[int]) -> None:
         """A target decode made of ubatches of these sizes: each pass is credited its predicted
-        share of the time (a width is first learnt from one-pass decodes and the calibration)."""
+        share of the time (a width is first learnt from one-pass decodes and the calibration).
+        Wider passes are learnt once a one-token pass is known."""
         predicted = [self.pass_time(n) for n in ubatch_sizes]
         total = sum(predicted)
         if len(ubatch_sizes) == 1 or total <= 0:
@@ -79,14 +84,23 @@ class Costs:
         else:
             shares = [seconds * p / total for p in predicted]
         for n, share in zip(ubatch_sizes, shares, strict=True):
-            if n not in self.passes:
-                bisect.insort(self._widths, n)
-            self.passes[n] = _ema(self.passes.get(n), share)
+            if n == 1:
+                self.step = _ema(self.step or None, share)
+                if 1 not in self.relative:
+                    self.relative[1] = 1.0
+                    bisect.insort(self._widths, 1)
+            elif self.step > 0:
+                if n not in self.relative:
+                    bisect.insort(self._widths, n)
+                self.relative[n] = _ema(self.relative.get(n), share / self.step)
 
     def pass_time(self, n: int) -> float:
         """A one-ubatch decode of ``n`` tokens: linear between the nearest widths seen, flat
         below the narrowest and along the last known slope beyond the widest (0: none seen)."""
-        known = self.passes.get(n)
+        return self.step * self._relative(n)
+
+    def _relative(self, n: int) -> float:
+        known = self.relative.get(n)
         if known is not None:
             return known
         widths = self._widths
@@ -97,14 +111,14 @@ class Costs:
         below = widths[max(0, i - 2):i]
         if above is None:
             if len(below) < 2:
-                return self.passes[widths[-1]]
+                return self.relative[widths[-1]]
             a, b = below
         elif not below:
-            return self.passes[above]
+            return self.relative[above]
         else:
             a, b = below[-1], above
-        slope = max(0.0, (self.passes[b] - self.passes[a]) / (b - a))
-        return self.passes[a] + slope * (n - a)
+        slope = max(0.0, (self.relative[b] - self.relative[a]) / (b - a))
+        return self.relative[a] + slope * (n - a)
 
     def drafted(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
@@ -115,7 +129,7 @@ class Costs:
 
     @property
     def known(self) -> bool:
-        return self.passes.get(1, 0.0) > 0
+        return self.step > 0
 
 
 @dataclass
