@@ -267,6 +267,11 @@ class _Copying:
         pass
 
 
+def _accepted(draft: list[int], text: list[int], at: int) -> int:
+    """How many leading tokens of ``draft`` match ``text`` from position ``at``."""
+    return next((i for i, t in enumerate(draft) if t != text[at + i]), len(draft))
+
+
 def _generate(spec: Speculator, text: list[int], n_prompt: int, steps: int, record: SlotRecord | None = None,
               accepted: list[int] | None = None) -> list[Proposal | None]:
     """``steps`` steps of one slot whose target writes ``text``: drafts verified against it (how
@@ -278,7 +283,7 @@ def _generate(spec: Speculator, text: list[int], n_prompt: int, steps: int, reco
         seen.append(proposal)
         at = len(history)
         tokens = proposal.tokens if proposal is not None else []
-        n = next((i for i, t in enumerate(tokens) if t != text[at + i]), len(tokens))
+        n = _accepted(tokens, text, at)
         if proposal is not None:
             spec.verified(record, proposal.choice, len(tokens), n)
         if accepted is not None:
@@ -410,7 +415,7 @@ def test_a_slot_whose_drafts_are_right_drafts_soon_after_a_record_of_rejections(
         at = 1
         while at < 130:
             draft = earlier.propose([DraftItem(0, prompt + text[:at], 8, len(prompt))])[0].tokens
-            accepted = next((i for i, t in enumerate(draft) if t != text[at + i]), len(draft))
+            accepted = _accepted(draft, text, at)
             policy.record(SUFFIX).update(8, accepted)
             at += accepted + 1
         oracle = OracleDrafter(alpha=0.9, seed=seed)
