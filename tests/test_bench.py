@@ -198,6 +198,70 @@ def test_oracle_acceptance_is_alpha_and_divergence_stops_drafting() -> None:
     assert _tokens(drafter, _item(0, prompt + reference[:3], 8)) == []  # stays off until released
 
 
+def test_oracle_drafts_on_from_a_continuation_registered_where_the_output_left_its_reference() -> None:
+    from hyspec.drafters.oracle import OracleDrafter
+
+    prompt, reference = [5, 6], list(range(1000, 1040))
+    drafter = OracleDrafter(alpha=1.0)
+    drafter.add_reference(prompt, reference)
+    output = reference[:10] + [7]  # a near-tie broken the other way at output token 10
+    drafter.add_reference(prompt + output, list(range(2000, 2029)))  # the plain run from there
+    assert _tokens(drafter, _item(0, prompt + reference[:4], 3)) == reference[4:7]
+    assert _tokens(drafter, _item(0, prompt + output, 3)) == [2000, 2001, 2002]  # the step after it left
+    assert _tokens(drafter, _item(0, prompt + output + [2000, 2001], 3)) == [2002, 2003, 2004]
+    assert drafter.diverged == 0
+    assert _tokens(drafter, _item(0, prompt + output + [2000, 9], 3)) == []  # off that one too
+    assert drafter.diverged == 1
+
+
+class _PlainWorker:
+    """A worker's reference calls and plain runs over a made-up target: after any history, the
+    next token is the sum of the last two, modulo 97."""
+
+    def __init__(self) -> None:
+        self.registered: dict[tuple[int, ...], list[int]] = {}
+        self.plain_runs = 0
+
+    def call(self, op: str, **args: Any) -> None:
+        assert op == "reference"
+        self.registered[tuple(args["prompt"])] = args["tokens"]
+
+    def run(self, prompts: list[list[int]], *, spec: str, max_tokens: int, draft_max: int) -> Any:
+        from hyspec.bench.records import Batch, Run
+
+        assert spec == "off" and len(prompts) == 1
+        self.plain_runs += 1
+        history = list(prompts[0])
+        for _ in range(max_tokens):
+            history.append((history[-1] + history[-2]) % 97)
+        return Batch([Run(tokens=history[len(prompts[0]):], tokens_per_second=1.0, ttft_ms=1.0)], 1.0, {})
+
+
+def test_bench_registers_the_plain_continuation_from_where_an_output_left_the_known_ones() -> None:
+    from hyspec.bench.runner import _References
+
+    worker = _PlainWorker()
+    prompt = [1, 2]
+    reference = worker.run([prompt], spec="off", max_tokens=30, draft_max=0).runs[0].tokens
+    references = _References(worker, prompt, reference, 30)  # type: ignore[arg-type]
+    assert worker.registered == {(1, 2): reference}
+    assert not references.extend(reference) and worker.plain_runs == 1
+    # Off at output token 8, then (from the continuation registered there) off again at 20.
+    first = reference[:8] + [50]
+    first += worker.run([prompt + first], spec="off", max_tokens=30 - 9, draft_max=0).runs[0].tokens
+    worker.plain_runs = 0
+    assert references.extend(first) and worker.plain_runs == 1
+    assert worker.registered[tuple(prompt + first[:9])] == first[9:]
+    assert not references.extend(first) and worker.plain_runs == 1  # followed now: nothing to run
+    second = first[:20] + [3]
+    second += worker.run([prompt + second], spec="off", max_tokens=30 - 21, draft_max=0).runs[0].tokens
+    worker.plain_runs = 0
+    assert references.extend(second) and worker.plain_runs == 1
+    assert worker.registered[tuple(prompt + second[:21])] == second[21:]
+    assert not references.extend(reference[:29] + [0])  # off at the last token: nothing left to draft
+    assert len(worker.registered) == 3
+
+
 def test_oracle_settings_with_the_same_seed_meet_the_same_wrong_positions() -> None:
     """Whatever lengths a setting drafts, and in whatever order, an output position is right or
     wrong for every setting given the seed: a pair's settings differ in policy, not in luck."""

@@ -267,6 +267,13 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                 "Milliseconds are per request; a rollback's cost is "
                 "its restore plus the replay decode; share of time is their part of the request's wall time.",
                 ""]
+        retried = [f"{r.target}{', checkpoint + replay' if 'checkpoint' in r.name else ''}: {r.retried}"
+                   for r, _ in oracle if r.retried]
+        if retried:
+            out += ["Runs repeated after their output left the reference at a near-tie (the drafter had "
+                    "fallen silent there; the plain continuation from that token was added and the run "
+                    "repeated; the output it left behind is checked for exactness too): "
+                    + ", ".join(retried) + ".", ""]
 
     streams = [(r, s) for r, s in pairs if r.kind == "streams"]
     for r, s in streams:

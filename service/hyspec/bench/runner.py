@@ -100,6 +100,7 @@ class Result:
     comparisons: list[str] = field(default_factory=list)  # each distinct verdict, described
     seconds: float = 0.0
     error: str | None = None
+    retried: int = 0  # controlled-acceptance runs repeated after a near-tie took them off the reference
 
 
 class _Checker:
@@ -267,7 +268,7 @@ class Runner:
             result.prompt_tokens = len(prompt)
             run = {"max_tokens": self.s.max_tokens, "draft_max": self.s.draft_max}
             reference = worker.run([prompt], spec="off", **run).runs[0].tokens  # also the warm-up
-            worker.call("reference", prompt=prompt, tokens=reference)
+            references = _References(worker, prompt, reference, self.s.max_tokens)
             worker.call("alpha", alpha=sc.alphas[0], seed=10_000)  # warm-up of the speculative path
             worker.run([prompt], spec="ngram", **run)
             # Each setting: its name, α (None: no drafts) and the mode that runs it.
@@ -276,20 +277,25 @@ class Runner:
                 runs += [(f"α={a:g}", a, "ngram"), (f"α={a:g} auto", a, "auto")]
             for name, _, _ in runs:  # the report's order, whatever order the pairs run in
                 result.sides[name] = Side()
+            left: list[list[int]] = []  # outputs run again: checked for exactness too
             for i in range(self.s.pairs):
                 for name, alpha, spec in _shuffled(runs, i):
-                    if alpha is not None:
-                        worker.call("alpha", alpha=alpha, seed=i)
-                    result.sides[name].add(worker.run([prompt], spec=spec, **run))
+                    for _ in range(_RETRIES + 1):
+                        if alpha is not None:
+                            worker.call("alpha", alpha=alpha, seed=i)
+                        batch = worker.run([prompt], spec=spec, **run)
+                        if not references.extend(batch.runs[0].tokens):
+                            break
+                        left.append(batch.runs[0].tokens)  # a near-tie took it off: run it again
+                        result.retried += 1
+                    result.sides[name].add(batch)
                 progress(f"round {i + 1}/{self.s.pairs}: " + ", ".join(
                     f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
             rss = worker.peak_rss_kb()
         for side in result.sides.values():
             side.peak_rss_kb = rss
         check = _Checker(self.paths[target])
-        for side in result.sides.values():
-            for r in side.runs:
-                check(prompt, reference, r.tokens)
+        check(prompt, reference, *left, *(r.tokens for side in result.sides.values() for r in side.runs))
         check.verdict(result)
         return result
 
@@ -410,6 +416,47 @@ class Runner:
 
 
 T = TypeVar("T")
+
+
+_RETRIES = 2  # runs of a controlled-acceptance setting after its output left the reference
+
+
+class _References:
+    """The plain continuations the controlled-acceptance drafter drafts from, in the worker and
+    here: the first run's, then one from each point where a speculative output left them (a
+    near-tie that a wider verify broke the other way; the oracle goes silent there and would
+    time a plain run under a speculative name)."""
+
+    def __init__(self, worker: HyspecWorker, prompt: list[int], reference: list[int], max_tokens: int) -> None:
+        self._worker = worker
+        self._prompt = prompt
+        self._max_tokens = max_tokens
+        self._known: dict[tuple[int, ...], list[int]] = {}
+        self._add(prompt, reference)
+
+    def _add(self, prompt: list[int], continuation: list[int]) -> None:
+        self._known[tuple(prompt)] = continuation
+        self._worker.call("reference", prompt=prompt, tokens=continuation)
+
+    def extend(self, output: list[int]) -> bool:
+        """Whether ``output`` left every known continuation; if so, the plain continuation from
+        its first token off them is registered (run plainly, untimed)."""
+        start = 0  # where the continuation being followed begins in the output
+        while True:
+            followed = self._known.get(tuple(self._prompt + output[:start]))
+            if followed is None:
+                break
+            off = next((k for k, t in enumerate(output[start:], start)
+                        if k - start >= len(followed) or t != followed[k - start]), None)
+            if off is None:
+                return False
+            start = off + 1
+        if start >= len(output):
+            return False  # off at its last token: nothing was left to draft
+        head = self._prompt + output[:start]
+        rest = self._worker.run([head], spec="off", max_tokens=self._max_tokens - start, draft_max=0)
+        self._add(head, rest.runs[0].tokens)
+        return True
 
 
 def _shuffled(items: list[T], i: int) -> list[T]:

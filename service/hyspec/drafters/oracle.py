@@ -14,9 +14,11 @@ Like a real drafter it cannot tell where it went wrong: a fixed length is verifi
 whatever follows a wrong token. The cost of speculation and rollback can then be charted against
 acceptance on any target, with no draft model of the right quality.
 
-Once an output leaves the reference (a near-tie that a batched verify broke the other way)
-the drafter cannot know the continuation and proposes nothing; ``diverged`` counts those
-sequences.
+An output can leave the reference at a near-tie that a batched verify broke the other way.
+The drafter then looks for a longer registered prompt that starts the output (the bench
+registers the plain continuation from the point of departure, see ``add_reference``) and drafts
+on from its reference; with none, it cannot know the continuation and proposes nothing for the
+rest of the sequence. ``diverged`` counts the sequences that went silent.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ class OracleDrafter:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         self.alpha = alpha
         self._rng = random.Random(seed)
-        self._right: list[bool] = []  # by output position: drafted right or wrong (drawn on first use)
+        self._right: list[bool] = []  # by history position: drafted right or wrong (drawn on first use)
 
     def add_reference(self, prompt: list[int], continuation: list[int]) -> None:
-        """The target's greedy continuation of ``prompt`` (at least as long as the outputs to draft)."""
+        """The target's greedy continuation of ``prompt`` (at least as long as the outputs to draft).
+        A prompt that extends another one with part of an output takes over from it there."""
         if not prompt:
             raise ValueError("the prompt is empty")
         self._references[tuple(prompt)] = list(continuation)
@@ -51,10 +54,11 @@ class OracleDrafter:
         self._references.clear()
 
     def _find_prompt(self, history: list[int]) -> tuple[int, ...] | None:
-        # The longest registered prompt that starts the history.
+        # The longest registered prompt that starts the history (or is all of it: one registered
+        # where an output left a reference is, at the step after that token).
         best: tuple[int, ...] | None = None
         for prompt in self._references:
-            if len(prompt) < len(history) and tuple(history[:len(prompt)]) == prompt:
+            if len(prompt) <= len(history) and tuple(history[:len(prompt)]) == prompt:
                 if best is None or len(prompt) > len(best):
                     best = prompt
         return best
@@ -68,15 +72,22 @@ class OracleDrafter:
         prompt = self._prompt_of[item.seq]
         if prompt is None or item.max_len <= 0:
             return []
-        reference = self._references[prompt]
-        done = len(item.history) - len(prompt)  # output tokens so far, the last sampled one included
-        if item.history[len(prompt):] != reference[:done]:
-            self.diverged += 1
-            self._prompt_of[item.seq] = None  # stays off the reference: no more drafts
-            return []
+        if not self._follows(item.history, prompt):
+            prompt = self._find_prompt(item.history)  # a longer prompt may have been registered past here
+            if prompt is None or not self._follows(item.history, prompt):
+                self.diverged += 1
+                self._prompt_of[item.seq] = None  # stays off the reference: no more drafts
+                return []
+            self._prompt_of[item.seq] = prompt
+        done = len(item.history) - len(prompt)  # tokens past the prompt, the last sampled one included
         # A wrong token is any but the right one: the greedy target rejects it (short of a near-tie).
-        return [token if self._is_right(done + i) else (token - 1 if token > 0 else 1)
-                for i, token in enumerate(reference[done:done + item.max_len])]
+        # Positions count from the start of the history, whichever prompt the reference extends.
+        return [token if self._is_right(len(item.history) + i) else (token - 1 if token > 0 else 1)
+                for i, token in enumerate(self._references[prompt][done:done + item.max_len])]
+
+    def _follows(self, history: list[int], prompt: tuple[int, ...]) -> bool:
+        done = len(history) - len(prompt)
+        return history[len(prompt):] == self._references[prompt][:done]
 
     def _is_right(self, position: int) -> bool:
         while len(self._right) <= position:
