@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -531,6 +532,17 @@ def test_cli_json_matches_the_engine(tiny_lfm2: Path, tiny_lfm2_q8: Path, make_e
     assert out["token_ids"] == reference.token_ids
     assert_plain(tiny_lfm2, engine.tokenize("Hello there, general"), out["token_ids"], allow_ties=False)
     assert out["finish_reason"] == "length" and out["stats"]["completion_tokens"] == 24
+
+
+def test_the_decode_rate_counts_the_tokens_after_the_first(tiny_lfm2: Path, make_engine: EngineFactory) -> None:
+    """The first token comes with the prompt: a rate over the first-to-last interval counts the
+    others only (counting it too read 1.6% high against llama-server on 64-token answers)."""
+    engine = make_engine(tiny_lfm2)
+    request = GenerationRequest(text="Hello there, general", max_tokens=1, spec=SpecParams(mode=SpecMode.OFF))
+    one = engine.generate(request)
+    assert one.stats.completion_tokens == 1 and one.stats.tokens_per_second == 0.0
+    two = engine.generate(replace(request, max_tokens=2, ignore_eos=True))
+    assert two.stats.completion_tokens == 2 and two.stats.tokens_per_second > 0.0
 
 
 def test_cli_streams_text(tiny_lfm2: Path) -> None:

@@ -230,8 +230,11 @@ class Scheduler:
             job.handle.emit(chunk)
         stats = slot.stats
         stats.completion_tokens = len(job.output.token_ids)
+        # The decode rate: tokens after the first (which comes with the prompt) over the time from
+        # the first to the last, as llama-server's predicted_per_second counts it.
         elapsed = time.perf_counter() - slot.t_prompt_done if slot.generating else 0.0
-        stats.tokens_per_second = stats.completion_tokens / elapsed if elapsed > 0 else 0.0
+        decoded = max(0, stats.completion_tokens - 1)
+        stats.tokens_per_second = decoded / elapsed if elapsed > 0 else 0.0
         trace = slot.trace
         if trace is not None:
             trace = Trace(trace.prefill, trace.tokens[:len(job.output.token_ids)])
