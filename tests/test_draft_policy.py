@@ -424,3 +424,39 @@ def test_a_slot_whose_drafts_are_right_drafts_soon_after_a_record_of_rejections(
                          len(prompt) + 1, 40)
         first = next((i for i, p in enumerate(seen) if p is not None), len(seen))
         assert first <= 6, (seed, first)  # 13 to 38 for three of the ten seeds with the unweighted mean
+
+
+def _gemma_costs() -> Costs:
+    """Gemma 3 270M's warm-up here: a wide pass costs several one-token steps (the 262k-token
+    vocabulary's logits, per output), so only a draft likely right to its end pays."""
+    c = Costs()
+    c.decoded(0.0126, [1])
+    for width, steps in ((2, 2.17), (3, 2.49), (5, 4.21), (9, 5.29)):
+        c.decoded(0.0126 * steps, [width])
+    return c
+
+
+def test_a_slot_whose_confident_drafts_are_right_beyond_their_band_drafts_full_length_within_a_few_steps() -> None:
+    """Text copied from the prompt is found once and stated at 0.75 a token, while the bands
+    learnt elsewhere read that as 0.75 too: at Gemma's costs two tokens a step looked best, and
+    stayed best for most of an answer whose every draft was right. The slot's own record,
+    held against what the bands predicted, lengthens the drafts within a few steps."""
+    text = list(range(100, 300))
+    spec, policy = _suffix_only(_Copying(text, 10, 0.75), per_token=0.0)  # type: ignore[arg-type]
+    policy.costs = _gemma_costs()
+    policy.calibration(SUFFIX).update([0.75] * 8, 5)  # earlier requests: five of six right
+    seen = _generate(spec, text, 10, 30)
+    full = next(i for i, p in enumerate(seen) if p is not None and len(p.tokens) == 8)
+    assert full <= 2  # 4 with the bands alone
+
+
+def test_a_slot_whose_confident_drafts_fail_stops_before_the_bands_learn_it() -> None:
+    """The other way: bands that read 0.75 as nearly certain (copied text in earlier requests)
+    and a request whose drafts are all wrong: its own record stops it after one."""
+    text = list(range(100, 300))
+    spec, policy = _suffix_only(_Copying(text, 10, 0.75, wrong_from=0), per_token=0.0)  # type: ignore[arg-type]
+    policy.costs = _gemma_costs()
+    for _ in range(30):
+        policy.calibration(SUFFIX).update([0.75] * 8, 8)
+    drafted = [p for p in _generate(spec, text, 10, 30) if p is not None]
+    assert len(drafted) <= 2  # 10 with the bands alone

@@ -202,8 +202,12 @@ class Calibration:
 class SlotRecord:
     """One slot's own acceptance, blended with its drafter's record over all requests."""
 
-    accepted: float = 0.0
+    accepted: float = 0.0  # tokens of drafts stating no confidence: accepted of compared
     compared: float = 0.0
+    # Tokens of drafts stating a confidence: accepted, against the chances their calibration
+    # gave the compared ones (what the slot does beyond what the drafter's record predicts).
+    stated_accepted: float = 0.0
+    stated_expected: float = 0.0
     idle_steps: int = 0
     failed_probes: int = 0
     # Drafters without a confidence that chose 0 tokens, and for what (max_len, busy slots):
@@ -213,12 +217,17 @@ class SlotRecord:
     def chances(self, global_rates: list[float], global_overall: float, confidence: list[float] | None,
                 calibration: Calibration) -> list[float]:
         """The chance each drafted token is accepted: the drafter's own confidence where it has
-        one (read through its calibration), else the global per-position rate, scaled by how
-        this slot's record compares with the global one over all positions (both pool every
-        compared token: an unweighted mean of the per-position rates had let a deep position
-        seen once, at 0.98, hide a slot's 35 of 41 against a record of 0.3)."""
+        one (read through its calibration), else the global per-position rate; either scaled by
+        how this slot's record compares with what the drafter's record predicted (for rates,
+        both pool every compared token: an unweighted mean of the per-position rates had let a
+        deep position seen once, at 0.98, hide a slot's 35 of 41 against a record of 0.3). A
+        request that copies text from its prompt has its drafts right far more often than the
+        drafter's confidence bands say over all requests; the slot's record finds that out
+        within a few verifications (Gemma 3's first agentic request drafted two tokens a step,
+        each right, for most of its answer while the bands caught up)."""
         if confidence is not None:
-            return [calibration.chance(c) for c in confidence[:len(global_rates)]]
+            shift = (self.stated_accepted + PRIOR_WEIGHT) / (self.stated_expected + PRIOR_WEIGHT)
+            return [_bounded(calibration.chance(c) * shift) for c in confidence[:len(global_rates)]]
         own = (self.accepted + PRIOR_WEIGHT * global_overall) / (self.compared + PRIOR_WEIGHT)
         shift = own / max(global_overall, 1e-6)
         return [_bounded(rate * shift) for rate in global_rates]
@@ -227,6 +236,12 @@ class SlotRecord:
         if drafted:
             self.accepted += accepted
             self.compared += min(drafted, accepted + 1)
+
+    def update_stated(self, chances: list[float], accepted: int) -> None:
+        """Drafted tokens that had these calibrated chances, ``accepted`` of them in a row (those
+        after the first rejection were never compared)."""
+        self.stated_accepted += accepted
+        self.stated_expected += sum(chances[:accepted + 1])
 
 
 def expected_gain(chances: list[float]) -> list[float]:
@@ -353,10 +368,11 @@ class SpeculationPolicy:
         if choice.length == 0:
             return
         self.record(choice.drafter).update(choice.length, accepted)
-        slot.update(choice.length, accepted)
         slot.declined.clear()
         if choice.confidence:
-            self.calibration(choice.drafter).update(choice.confidence[:choice.length], accepted)
+            self._learn_stated(slot, choice.drafter, choice.confidence[:choice.length], accepted)
+        else:
+            slot.update(choice.length, accepted)
         if choice.probe:
             # An accepted probe only feeds the record: at acceptance 0.3 a probe's first token
             # is accepted one time in three, which says nothing about whether drafting pays.
@@ -377,10 +393,17 @@ class SpeculationPolicy:
         if compared <= 0:
             return
         if confidence is not None:
-            self.calibration(drafter).update(confidence[:compared], accepted)
+            self._learn_stated(slot, drafter, confidence[:compared], accepted)
         else:
             slot.update(compared, accepted)
         slot.declined.pop(drafter, None)
+
+    def _learn_stated(self, slot: SlotRecord, drafter: str, confidence: list[float], accepted: int) -> None:
+        """Tokens drafted with these confidences, the first ``accepted`` right: the slot's record
+        against what the calibration predicted for them, then the calibration itself."""
+        calibration = self.calibration(drafter)
+        slot.update_stated([calibration.chance(c) for c in confidence], accepted)
+        calibration.update(confidence, accepted)
 
     def settled(self, drafter: str, offset: int, compared: int, accepted: int) -> None:
         """An unverified draft stating no confidence is settled from its position ``offset`` on:
