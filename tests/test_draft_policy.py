@@ -114,15 +114,15 @@ def test_acceptance_is_per_position_and_starts_from_the_prior() -> None:
 
 
 def test_a_slot_blends_its_own_record_with_the_drafters() -> None:
-    slot, calibration = SlotRecord(), Calibration()
-    assert slot.chances([0.5, 0.5], 0.5, None, calibration) == [0.5, 0.5]
+    slot, record, calibration = SlotRecord(), Acceptance(prior=0.5), Calibration()
+    assert slot.chances(2, record, None, calibration) == [0.5, 0.5]
     for _ in range(40):
         slot.update(4, 4)
-    assert all(c > 0.8 for c in slot.chances([0.5, 0.5], 0.5, None, calibration))
-    assert slot.chances([0.5], 0.5, [0.9], calibration) == [0.9]  # a stated confidence, taken at its word
+    assert all(c > 0.8 for c in slot.chances(2, record, None, calibration))
+    assert slot.chances(1, record, [0.9], calibration) == [0.9]  # a stated confidence, taken at its word
     for _ in range(40):
         calibration.update([0.9], 0)
-    assert slot.chances([0.5], 0.5, [0.9], calibration)[0] < 0.2  # ... unless it was seen broken
+    assert slot.chances(1, record, [0.9], calibration)[0] < 0.2  # ... unless it was seen broken
 
 
 def test_a_calibration_learns_what_each_band_of_stated_confidence_means() -> None:

@@ -146,13 +146,16 @@ class Acceptance:
         once or twice (deep ones, after a record of short accepted runs) must not read as
         certainty, nor as hopeless."""
         if position < len(self.compared):
-            return _bounded((self.accepted[position] + self.prior) / (self.compared[position] + 1.0))
+            return self._smoothed(self.accepted[position], self.compared[position])
         return self.prior
 
     def overall(self) -> float:
         """The chance of any compared token, whatever its position (the prior as one observation):
         what a slot's own record, which does not keep positions, is measured against."""
-        return _bounded((sum(self.accepted) + self.prior) / (sum(self.compared) + 1.0))
+        return self._smoothed(sum(self.accepted), sum(self.compared))
+
+    def _smoothed(self, accepted: float, compared: float) -> float:
+        return _bounded((accepted + self.prior) / (compared + 1.0))
 
     def update(self, drafted: int, accepted: int, decay: float = 0.98, offset: int = 0) -> None:
         """One verification of a draft's tokens from position ``offset`` on (its earlier ones were
@@ -214,7 +217,7 @@ class SlotRecord:
     # their inputs change only with observations, so the choice stands for a few steps.
     declined: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def chances(self, global_rates: list[float], global_overall: float, confidence: list[float] | None,
+    def chances(self, max_len: int, record: Acceptance, confidence: list[float] | None,
                 calibration: Calibration) -> list[float]:
         """The chance each drafted token is accepted: the drafter's own confidence where it has
         one (read through its calibration), else the global per-position rate; either scaled by
@@ -227,10 +230,11 @@ class SlotRecord:
         each right, for most of its answer while the bands caught up)."""
         if confidence is not None:
             shift = (self.stated_accepted + PRIOR_WEIGHT) / (self.stated_expected + PRIOR_WEIGHT)
-            return [_bounded(calibration.chance(c) * shift) for c in confidence[:len(global_rates)]]
-        own = (self.accepted + PRIOR_WEIGHT * global_overall) / (self.compared + PRIOR_WEIGHT)
-        shift = own / max(global_overall, 1e-6)
-        return [_bounded(rate * shift) for rate in global_rates]
+            return [_bounded(calibration.chance(c) * shift) for c in confidence[:max_len]]
+        overall = record.overall()
+        own = (self.accepted + PRIOR_WEIGHT * overall) / (self.compared + PRIOR_WEIGHT)
+        shift = own / max(overall, 1e-6)
+        return [_bounded(record.rate(i) * shift) for i in range(max_len)]
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -329,10 +333,8 @@ class SpeculationPolicy:
         if confidence is None and slot.declined.get(drafter) == (max_len, n_generating) \
                 and slot.idle_steps % self.RECHECK_EVERY:
             return Choice(drafter, 0, 0.0)  # on a tiny target the full choice is a tenth of a step
-        record = self.record(drafter)
-        rates = [record.rate(i) for i in range(max_len)]
         stated = confidence[:max_len] if confidence is not None else None
-        chances = slot.chances(rates, record.overall(), stated, self.calibration(drafter))
+        chances = slot.chances(max_len, self.record(drafter), stated, self.calibration(drafter))
         k, value = self._best_length(chances, n_generating, draft_model=draft_model)
         if confidence is None and k == 0:
             slot.declined[drafter] = (max_len, n_generating)
