@@ -8,6 +8,7 @@ on throughput, and behind on time to first token and memory.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
@@ -229,6 +230,12 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                 "another order. tok/s is the decode rate after the first token, as each side reports it; "
                 "TTFT is hyspec's submit-to-first-token and llama-server's prompt time; rollbacks are "
                 "hyspec's (llama-server does not report them).", ""]
+        lengths = Counter(r.max_tokens for r, _ in versus if not r.error)
+        if len(lengths) > 1:
+            usual = lengths.most_common(1)[0][0]
+            out += ["Answers of their own length (a fast model's short answer times the machine's hiccups): " +
+                    ", ".join(f"scenario {r.number} {r.target} {r.max_tokens} tokens" for r, _ in versus
+                              if not r.error and r.max_tokens != usual) + f"; the others {usual}.", ""]
         many = [(r, s) for r, s in versus if not r.error and len(r.sides) > 2]
         if many:
             out += ["Every setting of the speculative scenarios:", ""]

@@ -101,6 +101,7 @@ class Result:
     seconds: float = 0.0
     error: str | None = None
     retried: int = 0  # controlled-acceptance runs repeated after a near-tie took them off the reference
+    max_tokens: int = 0  # each answer's length, where a scenario sets its own (0: the bench's)
 
 
 class _Checker:
@@ -227,6 +228,8 @@ class Runner:
             prompts = self._agentic_prompts(sc, worker) if sc.agentic else \
                 [worker.tokenize(variant(sc.prompt, i)) for i in range(self.s.pairs + 1)]
             result.prompt_tokens = len(prompts[0])
+            args["max_tokens"] = result.max_tokens = min(
+                sc.answer_scale * self.s.max_tokens, self._ctx(sc.target) - max(len(p) for p in prompts) - 1)
             for mode in sc.modes:
                 on_hyspec(prompts[0], mode)
             for peer in peers.values():
