@@ -101,7 +101,7 @@ class Result:
     seconds: float = 0.0
     error: str | None = None
     retried: int = 0  # controlled-acceptance runs repeated after a near-tie took them off the reference
-    max_tokens: int = 0  # each answer's length, where a scenario sets its own (0: the bench's)
+    max_tokens: int = 0  # each answer's length in a versus scenario (0: the others, which answer the bench's)
 
 
 class _Checker:
