@@ -38,6 +38,7 @@ from hyspec.bench.scenarios import (
 )
 from hyspec.bench.worker import HyspecWorker, WorkerConfig
 from hyspec.exactness import Verdict, check
+from hyspec.prefix_cache import common_prefix
 
 log = logging.getLogger("hyspec.bench")
 
@@ -449,9 +450,8 @@ class _References:
             followed = self._known.get(tuple(self._prompt + output[:start]))
             if followed is None:
                 break
-            off = next((k for k, t in enumerate(output[start:], start)
-                        if k - start >= len(followed) or t != followed[k - start]), None)
-            if off is None:
+            off = start + common_prefix(output[start:], followed)
+            if off == len(output):
                 return False
             start = off + 1
         if start >= len(output):
