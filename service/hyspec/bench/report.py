@@ -91,6 +91,11 @@ def _versus_summary(r: Result) -> dict[str, Any]:
 AUTO_GOAL = 0.95  # auto ÷ max(plain, best fixed configuration), in every scenario
 
 
+def _oracle_target(r: Result) -> str:
+    """A controlled-acceptance result's target, named with its rollback where it is not the default."""
+    return f"{r.target}, checkpoint + replay" if "checkpoint" in r.name else r.target
+
+
 def _oracle_summary(r: Result) -> dict[str, Any]:
     plain = median(x.tokens_per_second for x in r.sides["plain"].runs)
     rows = {}
@@ -254,7 +259,7 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                 continue
             settings = s["settings"]
             top = max((v["tokens_per_second"] or 0.0) for v in settings.values())
-            target = f"{r.target}, checkpoint + replay" if "checkpoint" in r.name else r.target
+            target = _oracle_target(r)
             for label, v in settings.items():
                 rows.append([target, label, _f(v["tokens_per_second"]), _x(v["vs_plain"]), _pct(v["acceptance"]),
                              _f(v["rollbacks"], 0), _f(v["replayed_tokens"], 0),
@@ -274,8 +279,7 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                 "Milliseconds are per request; a rollback's cost is "
                 "its restore plus the replay decode; share of time is their part of the request's wall time.",
                 ""]
-        retried = [f"{r.target}{', checkpoint + replay' if 'checkpoint' in r.name else ''}: {r.retried}"
-                   for r, _ in oracle if r.retried]
+        retried = [f"{_oracle_target(r)}: {r.retried}" for r, _ in oracle if r.retried]
         if retried:
             out += ["Runs repeated after their output left the reference at a near-tie (the drafter had "
                     "fallen silent there; the plain continuation from that token was added and the run "
@@ -339,7 +343,7 @@ def goals(results: list[Result], summaries: list[dict[str, Any]]) -> list[dict[s
         if r.kind == "oracle":
             for label, v in s["settings"].items():
                 if label.endswith(" auto"):
-                    out.append({"goal": f"4 {r.target}{', checkpoint + replay' if 'checkpoint' in r.name else ''}: "
+                    out.append({"goal": f"4 {_oracle_target(r)}: "
                                         f"auto ÷ max(plain, fixed {label.removesuffix(' auto')}) ≥ {AUTO_GOAL:g}",
                                 "measured": _x(v["vs_best_fixed"]), "met": v["goal_met"]})
             continue
