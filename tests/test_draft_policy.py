@@ -17,6 +17,7 @@ from hyspec.draft_policy import (
 )
 from hyspec.drafters import Draft, DraftItem
 from hyspec.drafters.oracle import OracleDrafter
+from hyspec.prefix_cache import common_prefix
 from hyspec.speculation import DRAFT_MODEL, SUFFIX, DraftRequest, Proposal, Speculator
 from hyspec.types import SpecMode
 
@@ -269,7 +270,7 @@ class _Copying:
 
 def _accepted(draft: list[int], text: list[int], at: int) -> int:
     """How many leading tokens of ``draft`` match ``text`` from position ``at``."""
-    return next((i for i, t in enumerate(draft) if t != text[at + i]), len(draft))
+    return common_prefix(draft, text[at:at + len(draft)])
 
 
 def _generate(spec: Speculator, text: list[int], n_prompt: int, steps: int, record: SlotRecord | None = None,
