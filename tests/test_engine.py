@@ -545,6 +545,13 @@ def test_the_decode_rate_counts_the_tokens_after_the_first(tiny_lfm2: Path, make
     assert two.stats.completion_tokens == 2 and two.stats.tokens_per_second > 0.0
 
 
+def test_the_warm_up_times_every_verify_width(tiny_llama: Path, make_engine: EngineFactory) -> None:
+    """Pass times are far from linear in the width (ggml's kernels take four columns at a time),
+    so none up to draft-max + 1 is left to interpolation."""
+    engine = make_engine(tiny_llama, draft_max=10)
+    assert sorted(engine.speculator.policy.costs.relative) == list(range(1, 12))
+
+
 def test_cli_streams_text(tiny_lfm2: Path) -> None:
     proc = run_cli("--model", str(tiny_lfm2), "--prompt", "Hello", "--max-tokens", "8", "--ignore-eos")
     assert proc.returncode == 0 and proc.stdout.strip() and "tok/s" in proc.stderr

@@ -46,6 +46,9 @@ CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of st
 CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
 
 
+_BLOCK = 4  # the columns ggml's repacked CPU kernels take at a time
+
+
 def _bounded(chance: float) -> float:
     """A chance of acceptance within [0, MAX_ACCEPTANCE]."""
     return min(MAX_ACCEPTANCE, max(0.0, chance))
@@ -96,7 +99,8 @@ class Costs:
 
     def pass_time(self, n: int) -> float:
         """A one-ubatch decode of ``n`` tokens: linear between the nearest widths seen, flat
-        below the narrowest and along the last known slope beyond the widest (0: none seen)."""
+        below the narrowest and, beyond the widest, along the slope of the last four widths
+        or more (0: none seen)."""
         return self.step * self._relative(n)
 
     def _relative(self, n: int) -> float:
@@ -112,7 +116,10 @@ class Costs:
         if above is None:
             if len(below) < 2:
                 return self.relative[widths[-1]]
-            a, b = below
+            # The slope over a kernel's column block (four widths) or more: between neighbours
+            # it is that of the block's edge (a 9-token pass can cost a step more than 8).
+            b = widths[-1]
+            a = widths[max(0, bisect.bisect(widths, b - _BLOCK) - 1)]
         elif not below:
             return self.relative[above]
         else:

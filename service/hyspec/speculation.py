@@ -220,9 +220,8 @@ def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, pr
             costs.decoded(time.perf_counter() - started, [1])
             greedy.append(int(ctx.argmax_all()[0]))
             pos += 1
-        room = min(max_width, ctx.n_batch, ctx.n_ctx_seq - pos - 12)
-        widths = sorted({w for w in (2, 3, 5, 9, 17, max_width) if w <= room})
-        for width in [w for w in widths for _ in range(2)]:  # verifies, all but one token rejected
+        room = min(max_width, ctx.n_batch, (ctx.n_ctx_seq - pos) // 3)  # two passes a width, a token each
+        for width in _calibration_widths(room) * 2:  # verifies, all but one token rejected
             filler = (greedy * (width // len(greedy) + 1))[:width]
             checkpoint = rollback.checkpoint(0, pos, None, ring_unsafe=True)
             started = time.perf_counter()
@@ -239,6 +238,15 @@ def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, pr
         ctx.memory_clear()
     if model is not None:
         _calibrate_model(model, policy, prompt, greedy)
+
+
+def _calibration_widths(room: int) -> list[int]:
+    """The verify widths the warm-up times: every one up to 17, then every fourth and ``room``.
+    Neighbouring widths are far from linear on a CPU: ggml's repacked quantized kernels take the
+    batch four columns at a time, so here Gemma 3's 8-token pass took 44 ms and its 9-token pass
+    60 ms (LFM2-1.2B Q8_0: 146 and 198 ms); interpolating between widths 5 and 9 had the policy
+    draft 8 tokens where 7 verify 20% more tokens a second."""
+    return [w for w in range(2, room + 1) if w <= 17 or w % 4 == 0 or w == room]
 
 
 def _calibrate_model(model: Drafter, policy: SpeculationPolicy, prompt: list[int], greedy: list[int]) -> None:
