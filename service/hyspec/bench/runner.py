@@ -237,7 +237,7 @@ class Runner:
                 peer.run(prompts[:1], **args)
             order = [(HYSPEC, mode) for mode in hyspec] + [(LLAMA, name) for name in peers]
             for i in range(self.s.pairs):
-                for who, setting in _shuffled(order, i):
+                for who, setting in _shuffled(order, result, i):
                     if who == HYSPEC:
                         hyspec[setting].add(on_hyspec(prompts[i + 1], setting))
                     else:
@@ -283,7 +283,7 @@ class Runner:
                 result.sides[name] = Side()
             left: list[list[int]] = []  # outputs run again: checked for exactness too
             for i in range(self.s.pairs):
-                for name, alpha, spec in _shuffled(runs, i):
+                for name, alpha, spec in _shuffled(runs, result, i):
                     for _ in range(_RETRIES + 1):
                         if alpha is not None:
                             worker.call("alpha", alpha=alpha, seed=i)
@@ -462,12 +462,14 @@ class _References:
         return True
 
 
-def _shuffled(items: list[T], i: int) -> list[T]:
+def _shuffled(items: list[T], result: Result, i: int) -> list[T]:
     """Pair ``i``'s order of the settings, an order of its own (seeded): no setting always runs
     first, nor always right after the same other one. Both matter here: the machine drifts
     within a pair, and a request right after another process's runs slower than one after a run
-    of its own process (a rotation would keep every setting's predecessor)."""
-    return random.Random(i).sample(items, len(items))
+    of its own process (a rotation would keep every setting's predecessor). The seed names the
+    result too: seeded by the pair alone, every scenario with as many settings ran the same
+    orders, and an order's effect repeated across them instead of averaging out."""
+    return random.Random(f"{result.number} {result.target} {result.name} {i}").sample(items, len(items))
 
 
 def side_name(who: str, mode: str, own: str) -> str:
