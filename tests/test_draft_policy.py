@@ -57,8 +57,8 @@ def test_longest_draft_when_acceptance_is_near_one() -> None:
 def test_a_draft_stops_short_of_a_width_that_costs_a_column_block_more() -> None:
     """Gemma 3's warm-up here: ggml's repacked kernels take a batch four columns at a time, so
     an 8-token pass costs 3.8 steps and a 9-token one 4.8. Nearly certain drafts of up to eight
-    tokens are cut to seven (8 verified tokens in 3.8 steps beat 9 in 4.8); at a width past a
-    block's end the eighth token pays again."""
+    tokens are cut to seven (8 verified tokens in 3.8 steps beat 9 in 4.8); where the 9-token pass
+    costs little more than the 8-token one, the eighth token pays again."""
     c = Costs()
     c.decoded(0.0117, [1])
     for width, steps in ((2, 1.98), (3, 2.22), (4, 2.56), (5, 3.72), (6, 4.33), (7, 4.61), (8, 3.8), (9, 4.76)):

@@ -220,7 +220,7 @@ def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, pr
             costs.decoded(time.perf_counter() - started, [1])
             greedy.append(int(ctx.argmax_all()[0]))
             pos += 1
-        room = min(max_width, ctx.n_batch, (ctx.n_ctx_seq - pos) // 3)  # two passes a width, a token each
+        room = min(max_width, ctx.n_batch, (ctx.n_ctx_seq - pos) // 3)  # each pass keeps a token: 2 per width
         for width in _calibration_widths(room) * 2:  # verifies, all but one token rejected
             filler = (greedy * (width // len(greedy) + 1))[:width]
             checkpoint = rollback.checkpoint(0, pos, None, ring_unsafe=True)
