@@ -46,7 +46,7 @@ CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of st
 CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
 
 
-_BLOCK = 4  # the columns ggml's repacked CPU kernels take at a time
+KERNEL_BLOCK = 4  # the batch columns ggml's repacked CPU kernels take at a time
 
 
 def _bounded(chance: float) -> float:
@@ -119,7 +119,7 @@ class Costs:
             # The slope over a kernel's column block (four widths) or more: between neighbours
             # it is that of the block's edge (a 9-token pass can cost a step more than 8).
             b = widths[-1]
-            a = widths[max(0, bisect.bisect(widths, b - _BLOCK) - 1)]
+            a = widths[max(0, bisect.bisect(widths, b - KERNEL_BLOCK) - 1)]
         elif not below:
             return self.relative[above]
         else:

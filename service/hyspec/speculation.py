@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyspec._native import Context
-from hyspec.draft_policy import Choice, SlotRecord, SpeculationPolicy
+from hyspec.draft_policy import KERNEL_BLOCK, Choice, SlotRecord, SpeculationPolicy
 from hyspec.drafters import Draft, Drafter, DraftItem
 from hyspec.rollback import SeqRollback
 from hyspec.types import SpecMode
@@ -241,12 +241,12 @@ def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, pr
 
 
 def _calibration_widths(room: int) -> list[int]:
-    """The verify widths the warm-up times: every one up to 17, then every fourth and ``room``.
+    """The verify widths the warm-up times: every one up to 17, then every kernel block's and ``room``.
     Neighbouring widths are far from linear on a CPU: ggml's repacked quantized kernels take the
     batch four columns at a time, so here Gemma 3's 8-token pass took 44 ms and its 9-token pass
     60 ms (LFM2-1.2B Q8_0: 146 and 198 ms); interpolating between widths 5 and 9 had the policy
     draft 8 tokens where 7 verify 20% more tokens a second."""
-    return [w for w in range(2, room + 1) if w <= 17 or w % 4 == 0 or w == room]
+    return [w for w in range(2, room + 1) if w <= 17 or w % KERNEL_BLOCK == 0 or w == room]
 
 
 def _calibrate_model(model: Drafter, policy: SpeculationPolicy, prompt: list[int], greedy: list[int]) -> None:
