@@ -4,8 +4,12 @@ synthetic costs and acceptance: no model."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
+from hyspec import speculation
 from hyspec.draft_policy import (
     Acceptance,
     Calibration,
@@ -59,13 +63,15 @@ def test_a_draft_stops_short_of_a_width_that_costs_a_column_block_more() -> None
     an 8-token pass costs 3.8 steps and a 9-token one 4.8. Nearly certain drafts of up to eight
     tokens are cut to seven (8 verified tokens in 3.8 steps beat 9 in 4.8); where the 9-token pass
     costs little more than the 8-token one, the eighth token pays again."""
-    c = Costs()
-    c.decoded(0.0117, [1])
-    for width, steps in ((2, 1.98), (3, 2.22), (4, 2.56), (5, 3.72), (6, 4.33), (7, 4.61), (8, 3.8), (9, 4.76)):
-        c.decoded(0.0117 * steps, [width])
-    assert length([0.98] * 8, c) == 7
-    c.decoded(0.0117 * 3.9, [9])
-    assert length([0.98] * 8, c) == 8
+    def timed(nine: float) -> Costs:
+        c = Costs()
+        c.decoded(0.0117, [1])
+        for width, steps in ((2, 1.98), (3, 2.22), (4, 2.56), (5, 3.72), (6, 4.33), (7, 4.61), (8, 3.8), (9, nine)):
+            c.decoded(0.0117 * steps, [width])
+        return c
+
+    assert length([0.98] * 8, timed(4.76)) == 7
+    assert length([0.98] * 8, timed(3.9)) == 8
 
 
 def test_a_nearly_always_right_draft_model_pays_even_when_slow() -> None:
@@ -92,9 +98,8 @@ def test_a_pass_is_costed_by_its_width_between_and_beyond_the_widths_seen() -> N
     c.decoded(0.024, [10])
     assert c.pass_time(1) == 0.010 and c.pass_time(6) == pytest.approx(0.022)
     assert c.pass_time(18) == pytest.approx(0.028)  # the last slope goes on
-    c.decoded(0.066, [2, 10])  # two passes: shared as predicted, 0.020 : 0.024
-    assert c.pass_time(2) == pytest.approx(0.8 * 0.020 + 0.2 * 0.030)
-    assert c.pass_time(10) == pytest.approx(0.8 * 0.024 + 0.2 * 0.036)
+    c.decoded(0.066, [2, 10])  # two passes 1.5x as long as predicted: shared 0.020 : 0.024
+    assert c.pass_time(2) > 0.022 and c.pass_time(10) / c.pass_time(2) == pytest.approx(1.2, rel=0.01)
     c = Costs()
     c.decoded(0.010, [1])
     for width in range(2, 10):  # a block's edge: 8 -> 9 costs more than the four widths before
@@ -112,6 +117,69 @@ def test_a_wide_pass_is_costed_by_its_multiple_of_the_step_when_the_machine_drif
     for _ in range(20):
         c.decoded(0.060, [1])
     assert c.pass_time(9) == pytest.approx(0.060 * 2.8, rel=0.01)
+
+
+def test_passes_timed_slow_move_the_step_and_keep_the_widths_apart() -> None:
+    """Requests that only verify nine tokens while the machine is slow (or was fast when the
+    step was last timed): every width's time follows, and width 8 stays the 0.17 steps cheaper
+    that LFM2-1.2B F16's warm-up found, not the 0.75 that drafts of six and seven came from."""
+    c = Costs()
+    for width, steps in ((1, 1.0), (8, 3.03), (9, 3.2)):
+        c.decoded(0.057 * steps, [width])
+    for _ in range(40):
+        c.decoded(0.057 * 3.2 * 1.45, [9])
+    assert c.pass_time(9) == pytest.approx(0.057 * 3.2 * 1.45, rel=0.02)
+    assert 0.1 < (c.pass_time(9) - c.pass_time(8)) / c.step < 0.3
+    assert length([0.98] * 8, c) == 8
+
+
+class _PacedTarget:
+    """A context whose passes take 57 ms x (1 + 0.3 (width - 1)) on a clock of its own, three
+    times as long for its first ``busy`` decodes (something else starting on the machine)."""
+
+    n_batch = 512
+    n_ctx_seq = 4096
+
+    def __init__(self, busy: int) -> None:
+        self.now = 0.0
+        self.busy = busy
+
+    def clock(self) -> float:
+        return self.now
+
+    def decode(self, tokens: Any, *_: Any) -> None:
+        self.now += 0.057 * (1 + 0.3 * (len(tokens) - 1)) * (3.0 if self.busy > 0 else 1.0)
+        self.busy -= 1
+
+    def argmax_all(self) -> np.ndarray:
+        return np.array([7])
+
+    def memory_clear(self) -> None:
+        pass
+
+
+class _Trim:
+    """A rollback that trims (an attention target): nothing to restore or replay."""
+
+    def checkpoint(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def truncate(self, seq: int, pos: int, checkpoint: None) -> int:
+        return pos
+
+
+def test_the_warm_up_times_the_widths_against_steps_timed_beside_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server starting while other processes start (the bench's llama-servers loading their
+    models) timed its first one-token passes three times too slow: the step read 158 ms where it
+    takes 57, and widths 7-9 read cheaper than one token. Each width is timed against the step
+    just before it, and the medians are kept."""
+    target = _PacedTarget(busy=10)
+    monkeypatch.setattr(speculation, "time", SimpleNamespace(perf_counter=target.clock))
+    policy = SpeculationPolicy(hybrid=False, rollback_costs=False)
+    speculation.calibrate(target, policy, _Trim(), [1] * 20, None, max_width=9)  # type: ignore[arg-type]
+    assert policy.costs.step == pytest.approx(0.057)
+    for width in range(2, 10):
+        assert policy.costs.pass_time(width) / policy.costs.step == pytest.approx(1 + 0.3 * (width - 1))
 
 
 def test_a_costly_second_token_rules_out_short_drafts_but_not_long_likely_ones() -> None:

@@ -24,6 +24,7 @@ from hyspec.types import SpecMode
 
 SUFFIX = "suffix"
 DRAFT_MODEL = "draft"
+CALIBRATION_ROUNDS = 3  # timings of each verify width at start-up (their median multiple of the step)
 
 
 @dataclass
@@ -205,35 +206,44 @@ class Speculator:
 
 def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, prompt: list[int],
               model: Drafter | None, max_width: int) -> None:
-    """Measure what a decode pass of each verify width up to ``max_width`` tokens, a draft-model
-    token and a rollback cost here, on sequence 0 of an idle context (cleared again), and how
-    often the draft model agrees with the target on a short greedy run from ``prompt``."""
-    costs = policy.costs
+    """Measure what a decode pass of each verify width up to ``max_width`` tokens costs here (as a
+    multiple of a one-token pass timed just before it, ``CALIBRATION_ROUNDS`` times), a draft-model
+    token and a rollback, on sequence 0 of an idle context (cleared again), and how often the
+    draft model agrees with the target on a short greedy run from ``prompt``."""
     ctx.memory_clear()
     try:
         ctx.decode(prompt, range(len(prompt)), [0] * len(prompt), [False] * (len(prompt) - 1) + [True])
         greedy = [int(ctx.argmax_all()[0])]
         pos = len(prompt)
-        for _ in range(12):  # plain steps: a weight pass
+
+        def plain_step() -> float:
+            nonlocal pos
             started = time.perf_counter()
             ctx.decode([greedy[-1]], [pos], [0], [True])
-            costs.decoded(time.perf_counter() - started, [1])
+            seconds = time.perf_counter() - started
             greedy.append(int(ctx.argmax_all()[0]))
             pos += 1
-        room = min(max_width, ctx.n_batch, (ctx.n_ctx_seq - pos) // 3)  # each pass keeps a token: 2 per width
-        for width in _calibration_widths(room) * 2:  # verifies, all but one token rejected
+            return seconds
+
+        steps = [plain_step() for _ in range(4)]
+        multiples: dict[int, list[float]] = {}
+        # Each round keeps two tokens per width (a plain step and a verified one) and needs room for the widest.
+        room = min(max_width, ctx.n_batch, (ctx.n_ctx_seq - pos) // (2 * CALIBRATION_ROUNDS + 1))
+        for width in _calibration_widths(room) * CALIBRATION_ROUNDS:  # verifies, all but one token rejected
+            steps.append(plain_step())
             filler = (greedy * (width // len(greedy) + 1))[:width]
             checkpoint = rollback.checkpoint(0, pos, None, ring_unsafe=True)
             started = time.perf_counter()
             ctx.decode(filler, range(pos, pos + width), [0] * width, [True] * width)
-            costs.decoded(time.perf_counter() - started, [width])
+            multiples.setdefault(width, []).append((time.perf_counter() - started) / steps[-1])
             started = time.perf_counter()
             kept = rollback.truncate(0, pos + 1, checkpoint)
             if kept <= pos:  # restored: replay the accepted token, as a hybrid target does
                 ctx.decode(filler[:pos + 1 - kept], range(kept, pos + 1), [0] * (pos + 1 - kept),
                            [False] * (pos + 1 - kept))
-                costs.rolled_back(time.perf_counter() - started)
+                policy.costs.rolled_back(time.perf_counter() - started)
             pos += 1
+        policy.costs.calibrated(steps, multiples)
     finally:
         ctx.memory_clear()
     if model is not None:
