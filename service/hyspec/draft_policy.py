@@ -37,9 +37,6 @@ import statistics
 from dataclasses import dataclass, field
 
 _WEIGHT = 0.2  # of a new measurement in the running cost estimates
-# A pass slower or faster than predicted mostly shows the machine's pace, which moves every width
-# alike: it moves the step at _WEIGHT and its own width's multiple of the step at this.
-_SHAPE_WEIGHT = 0.02
 # A slot's own observations count against this many from earlier requests: one verification's
 # worth, so that a request whose drafts fail after requests whose drafts were right stops
 # drafting within a couple of verifications (8 had let scenario 4's α = 0.6 requests with
@@ -58,8 +55,8 @@ def _bounded(chance: float) -> float:
     return min(MAX_ACCEPTANCE, max(0.0, chance))
 
 
-def _ema(old: float | None, new: float, weight: float = _WEIGHT) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _WEIGHT) * old + _WEIGHT * new
 
 
 @dataclass
@@ -70,13 +67,12 @@ class Costs:
     cost most of a weight pass (matrix-vector kernels give way to matrix-matrix ones) while the
     next few are nearly free, so a pass's time is kept per width (tokens in the ubatch) and
     interpolated between the widths seen. Wider passes are kept as multiples of the one-token
-    pass: a shared machine drifts between fast and slow spells (plain steps of 60 or 85 ms from
-    one request to the next here), and a nine-token pass timed in a slow spell, held against
-    one-token passes of a fast one, made drafting look 40% dearer than it was. So a known width
-    timed slower or faster than predicted moves the step (every width's time) and its own multiple
-    only a little: requests that only ever verify nine tokens had otherwise raised width 9's
-    multiple against a stale step until width 8 looked 0.75 steps cheaper (it is 0.17 on LFM2-1.2B
-    F16), and drafts of six and seven tokens cost a pass more per request."""
+    pass measured when they ran: a shared machine drifts between fast and slow spells (plain
+    steps of 60 or 85 ms from one request to the next here), and a nine-token pass timed in a slow
+    spell, held against one-token passes of a fast one, made drafting look 40% dearer than it was.
+    The spells are not one factor for every width: a one-token pass reads the weights and moves
+    with memory bandwidth, a nine-token one computes more and moves less (LFM2-1.2B F16 here: 57
+    and 182 ms in one hour, 93 and 196 in another), so a width's multiple follows the step."""
 
     step: float = 0.0  # a one-token pass (0: none seen)
     relative: dict[int, float] = field(default_factory=dict)  # a wider pass's time ÷ step's, by width
@@ -101,13 +97,9 @@ class Costs:
                     self.relative[1] = 1.0
                     bisect.insort(self._widths, 1)
             elif self.step > 0:
-                known = self.relative.get(n)
-                if known is None:
+                if n not in self.relative:
                     bisect.insort(self._widths, n)
-                    self.relative[n] = share / self.step
-                else:
-                    self.step = _ema(self.step, share / known)
-                    self.relative[n] = _ema(known, share / self.step, _SHAPE_WEIGHT)
+                self.relative[n] = _ema(self.relative.get(n), share / self.step)
 
     def calibrated(self, steps: list[float], multiples: dict[int, list[float]]) -> None:
         """Start-up timings: one-token passes, and each wider pass's multiples of the one-token
