@@ -150,6 +150,8 @@ def test_markdown_tables_and_same_tokens_column(quick_report: tuple[dict[str, An
     for title in ("scenario 4", "scenario 6", "scenario 7", "scenario 9", "scenario 10", "### Goals"):
         assert title in markdown
     assert f"scenario 11 kjv-target (trained) Q8_0 {2 * MAX_TOKENS} tokens; the others {MAX_TOKENS}." in markdown
+    auto = next(line for line in lines if line.startswith("`α auto` rows"))
+    assert ", checkpoint + replay α=0.6 " in auto  # each target named as in its table, rollback and all
 
 
 # -- the controlled-acceptance drafter, on its own (no model) -----------------------------------

@@ -270,7 +270,7 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                        "ms checkpoint / restore / replay", "ms per rollback", "share of time", "same tokens",
                        "tok/s"], rows)
         out += ["", "`α auto` rows: the same drafts offered to `--spec auto`; ÷ max(plain, fixed α): " + ", ".join(
-            f"{r.target} {label.removesuffix(' auto')} {_x(v['vs_best_fixed'])}"
+            f"{_oracle_target(r)} {label.removesuffix(' auto')} {_x(v['vs_best_fixed'])}"
             for r, s in oracle if not r.error for label, v in s["settings"].items() if label.endswith(" auto"))]
         out += ["", "Fixed drafts of draft-max tokens, each token right with probability α (a drafted token "
                 "whose predecessors were accepted is accepted with probability α; accepted counts all drafted "
