@@ -47,6 +47,7 @@ CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of st
 CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
 
 
+FOLLOW_PACE = 0.5  # of a width's learnt drift that the other widths take (Costs._follow)
 KERNEL_BLOCK = 4  # the batch columns ggml's repacked CPU kernels take at a time
 
 
@@ -97,9 +98,30 @@ class Costs:
                     self.relative[1] = 1.0
                     bisect.insort(self._widths, 1)
             elif self.step > 0:
-                if n not in self.relative:
+                before = self.relative.get(n)
+                if before is None:
                     bisect.insort(self._widths, n)
-                self.relative[n] = _ema(self.relative.get(n), share / self.step)
+                    self.relative[n] = share / self.step
+                else:
+                    self.relative[n] = _ema(before, share / self.step)
+                    self._follow(n, before, set(ubatch_sizes))
+
+    def _follow(self, width: int, before: float, measured: set[int]) -> None:
+        """Move the wide passes' multiples not ``measured`` in this decode along with ``width``'s,
+        at half its pace. A one-token pass is M + C (weights read, one token computed), an n-token
+        pass M + C(n), so a drift of either moves every width's excess over a step,
+        (C(n) - C) / (M + C), by one factor: learnt on the width a slot drafts most, it holds for
+        the widths it seldom tries. Kept apart, a nine-token pass learnt 3.3 steps in a fast spell
+        while the eight-token one kept the 2.2 of the warm-up's slow one, and the F16 echo target
+        drafted seven tokens, not eight, in three of its next steps. Half the pace, so the widths'
+        own measurements still shape the curve."""
+        if before <= 1.0:
+            return
+        factor = min(2.0, max(0.5, (self.relative[width] - 1.0) / (before - 1.0)))
+        follow = 1.0 + (factor - 1.0) * FOLLOW_PACE
+        for other, multiple in self.relative.items():
+            if other > 1 and other not in measured:
+                self.relative[other] = 1.0 + (multiple - 1.0) * follow
 
     def calibrated(self, steps: list[float], multiples: dict[int, list[float]]) -> None:
         """Start-up timings: one-token passes, and each wider pass's multiples of the one-token
