@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 from hyspec import speculation
 from hyspec.draft_policy import (
+    PRIOR_WEIGHT,
+    SPREAD_WEIGHTS,
     Acceptance,
     Calibration,
     Costs,
+    RequestSpread,
     SlotRecord,
     SpeculationPolicy,
     best_length,
@@ -516,6 +519,40 @@ def test_a_slot_whose_drafts_are_right_drafts_soon_after_a_record_of_rejections(
                          len(prompt) + 1, 40)
         first = next((i for i, p in enumerate(seen) if p is not None), len(seen))
         assert first <= 6, (seed, first)  # 13 to 38 for three of the ten seeds with the unweighted mean
+
+
+def test_requests_that_agree_outweigh_a_new_slot_and_requests_that_differ_yield_to_it() -> None:
+    """A new slot starts from the mean of the requests before it, weighted by how alike they
+    were: requests that all saw 0.6 are worth many observations, requests at 0.3, 0.6 and 0.9 a
+    few; what their lengths alone scatter them by is no difference; short ones do not count."""
+    alike, unlike = RequestSpread(), RequestSpread()
+    assert alike.prior(0.4) == (0.4, PRIOR_WEIGHT)  # no requests yet: the drafter's token record
+    for i in range(12):
+        alike.finished(6 + i % 2, 10)  # 0.6 or 0.7 of ten: what ten tokens of 0.65 scatter by
+        unlike.finished((3, 6, 9)[i % 3] * 6, 60)
+        unlike.finished(1, 2)  # too short to say anything
+    mean, weight = alike.prior(0.4)
+    assert mean == pytest.approx(0.65) and weight == SPREAD_WEIGHTS[1]
+    mean, weight = unlike.prior(0.4)
+    assert mean == pytest.approx(0.6) and 2.5 < weight < 4.0  # 0.24 / (0.06 - 0.004) - 1
+
+
+def test_a_slot_starts_from_the_mean_of_the_requests_before_not_the_latest() -> None:
+    """Scenario 4 serves α = 0.3, 0.6 and 0.9 requests in a shuffled order. The drafter's token
+    record follows the latest requests, so an α = 0.9 request after α = 0.3 ones started at 0.3
+    and declined its first 14-19 steps (in process, checkpoint + replay). Finished requests'
+    mean, 0.6 here, is where a new slot starts."""
+    policy = SpeculationPolicy(hybrid=True, rollback_costs=False)
+    alphas = (0.9, 0.6, 0.3, 0.9, 0.6, 0.3, 0.3)
+    for alpha in alphas:
+        policy.finished(SlotRecord(accepted=alpha * 60, compared=60))
+    for _ in range(40):
+        policy.record(SUFFIX).update(8, 0)  # the latest requests: rejections
+    slot = SlotRecord()
+    fresh = slot.chances(1, policy.record(SUFFIX), None, policy.calibration(SUFFIX), policy.spread.prior(0.0))
+    assert fresh == [pytest.approx(sum(alphas) / len(alphas))]
+    latest = slot.chances(1, policy.record(SUFFIX), None, policy.calibration(SUFFIX))
+    assert latest[0] < 0.05
 
 
 def _gemma_costs() -> Costs:
