@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 from hyspec import speculation
 from hyspec.draft_policy import (
-    PRIOR_WEIGHT,
-    SPREAD_WEIGHTS,
+    MAX_ACCEPTANCE,
+    SPREAD_REQUESTS,
     Acceptance,
     Calibration,
     Costs,
-    RequestSpread,
     SlotRecord,
     SpeculationPolicy,
     best_length,
@@ -521,38 +520,38 @@ def test_a_slot_whose_drafts_are_right_drafts_soon_after_a_record_of_rejections(
         assert first <= 6, (seed, first)  # 13 to 38 for three of the ten seeds with the unweighted mean
 
 
-def test_requests_that_agree_outweigh_a_new_slot_and_requests_that_differ_yield_to_it() -> None:
-    """A new slot starts from the mean of the requests before it, weighted by how alike they
-    were: requests that all saw 0.6 are worth many observations, requests at 0.3, 0.6 and 0.9 a
-    few; what their lengths alone scatter them by is no difference; short ones do not count."""
-    alike, unlike = RequestSpread(), RequestSpread()
-    assert alike.prior(0.4) == (0.4, PRIOR_WEIGHT)  # no requests yet: the drafter's token record
-    for i in range(12):
-        alike.finished(6 + i % 2, 10)  # 0.6 or 0.7 of ten: what ten tokens of 0.65 scatter by
-        unlike.finished((3, 6, 9)[i % 3] * 6, 60)
-        unlike.finished(1, 2)  # too short to say anything
-    mean, weight = alike.prior(0.4)
-    assert mean == pytest.approx(0.65) and weight == SPREAD_WEIGHTS[1]
-    mean, weight = unlike.prior(0.4)
-    assert mean == pytest.approx(0.6) and 2.5 < weight < 4.0  # 0.24 / (0.06 - 0.004) - 1
-
-
-def test_a_slot_starts_from_the_mean_of_the_requests_before_not_the_latest() -> None:
+def test_a_slot_starts_from_the_kind_of_request_its_first_tokens_show() -> None:
     """Scenario 4 serves α = 0.3, 0.6 and 0.9 requests in a shuffled order. The drafter's token
     record follows the latest requests, so an α = 0.9 request after α = 0.3 ones started at 0.3
-    and declined its first 14-19 steps (in process, checkpoint + replay). Finished requests'
-    mean, 0.6 here, is where a new slot starts."""
+    and declined its first 14-19 steps (in process, checkpoint + replay); from the requests' mean,
+    0.6, it needed some 20 observations to read 0.85. Each earlier request is a kind a new one
+    may be: nine right of ten make it an α = 0.9 one, one of five an α = 0.3 one."""
     policy = SpeculationPolicy(hybrid=True, rollback_costs=False)
     alphas = (0.9, 0.6, 0.3, 0.9, 0.6, 0.3, 0.3)
     for alpha in alphas:
         policy.finished(SlotRecord(accepted=alpha * 60, compared=60))
+    policy.finished(SlotRecord(accepted=0, compared=5))  # too short to say what kind it was
     for _ in range(40):
         policy.record(SUFFIX).update(8, 0)  # the latest requests: rejections
-    slot = SlotRecord()
-    fresh = slot.chances(1, policy.record(SUFFIX), None, policy.calibration(SUFFIX), policy.spread.prior(0.0))
-    assert fresh == [pytest.approx(sum(alphas) / len(alphas))]
-    latest = slot.chances(1, policy.record(SUFFIX), None, policy.calibration(SUFFIX))
-    assert latest[0] < 0.05
+    record, calibration = policy.record(SUFFIX), policy.calibration(SUFFIX)
+
+    def chance(slot: SlotRecord) -> float:
+        start = policy.earlier.expected(slot.accepted, slot.compared, record.overall())
+        return slot.chances(1, record, None, calibration, start)[0]
+
+    assert chance(SlotRecord()) == pytest.approx(sum(alphas) / len(alphas))
+    assert chance(SlotRecord(accepted=9, compared=10)) > 0.85
+    assert chance(SlotRecord(accepted=1, compared=5)) < 0.35
+    assert SlotRecord().chances(1, record, None, calibration)[0] < 0.05  # from the latest tokens
+
+
+def test_a_slot_starts_from_the_drafters_record_until_requests_have_finished() -> None:
+    policy = SpeculationPolicy(hybrid=True, rollback_costs=False)
+    for _ in range(SPREAD_REQUESTS - 1):
+        policy.finished(SlotRecord(accepted=60, compared=60))
+    assert policy.earlier.expected(0, 0, 0.4) == 0.4
+    policy.finished(SlotRecord(accepted=60, compared=60))
+    assert policy.earlier.expected(0, 0, 0.4) == MAX_ACCEPTANCE
 
 
 def _gemma_costs() -> Costs:

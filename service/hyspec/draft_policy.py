@@ -33,6 +33,7 @@ likely to be accepted to be worth its place in the batch.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,12 +44,10 @@ _WEIGHT = 0.2  # of a new measurement in the running cost estimates
 # drafting within a couple of verifications (8 had let scenario 4's α = 0.6 requests with
 # checkpoints draft 16-40 tokens and roll back 2-10 times after the α = 0.9 ones).
 PRIOR_WEIGHT = 4.0
-# Once this many requests have finished, a new slot's prior is theirs (RequestSpread): their mean
-# acceptance, weighted by how alike they were, between these bounds.
+# Once this many requests have finished, a slot's record starts from theirs (EarlierRequests).
 SPREAD_REQUESTS = 3
 SPREAD_MEMORY = 32  # the latest finished requests it keeps
-SPREAD_MIN_COMPARED = 4  # a request that compared fewer tokens says too little to count
-SPREAD_WEIGHTS = (1.0, 16.0)
+SPREAD_MIN_COMPARED = 8  # a request that compared fewer tokens says too little to count
 MAX_ACCEPTANCE = 0.98  # no estimate is ever certain
 CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of stated confidence
 CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
@@ -251,39 +250,34 @@ class Calibration:
 
 
 @dataclass
-class RequestSpread:
-    """What finished requests' drafts stating no confidence were worth, one request at a time: a
-    new slot's prior. The drafter's token record follows the latest requests (its older tokens
-    fade), so a request that came after one of another kind started from that one: in scenario 4,
-    whose α = 0.3, 0.6 and 0.9 requests come in a shuffled order, an α = 0.9 request after an
-    α = 0.3 one declined its first 14-19 steps. The requests' mean is a truer start, and how much
-    they differed says how far to trust it (empirical Bayes, the method of moments of a beta
-    prior): requests that all agree outweigh a new slot's first observations, requests that
-    disagree yield to them."""
+class EarlierRequests:
+    """What finished requests' drafts stating no confidence were worth, one rate per request:
+    where a new slot's record starts. The drafter's token record follows the latest requests
+    (older tokens fade), so a request after one of another kind started from that one: scenario
+    4 serves α = 0.3, 0.6 and 0.9 requests in a shuffled order, and an α = 0.9 request after
+    α = 0.3 ones declined its first 14-19 steps. Their mean (0.6, a beta prior fitted to them)
+    was no better with checkpoint + replay, where drafts pay only when nearly always right: it took
+    20 observations to read 0.85. Requests come in kinds (clients, prompts), so each earlier
+    request is one possibility, weighted by how likely it makes what the slot has seen so far
+    (an empirical mixture): nine right of ten rules out 0.3 and 0.6 at once."""
 
-    rates: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=SPREAD_MEMORY))
-    _prior: tuple[float, float] | None = field(default=None, repr=False)  # of the rates kept
+    rates: deque[float] = field(default_factory=lambda: deque(maxlen=SPREAD_MEMORY))
 
     def finished(self, accepted: float, compared: float) -> None:
         """A request ended having compared ``compared`` tokens of such drafts, ``accepted`` right."""
-        if compared < SPREAD_MIN_COMPARED:
-            return
-        self.rates.append((accepted, compared))
-        if len(self.rates) >= SPREAD_REQUESTS:
-            rates = [a / c for a, c in self.rates]
-            mean = statistics.fmean(rates)
-            spread = statistics.fmean((r - mean) ** 2 for r in rates)
-            # What the requests' lengths alone would scatter them by is no difference between them.
-            noise = mean * (1 - mean) * statistics.fmean(1 / c for _, c in self.rates)
-            low, high = SPREAD_WEIGHTS
-            between = spread - noise
-            weight = high if between <= 0 else min(high, max(low, mean * (1 - mean) / between - 1))
-            self._prior = _bounded(mean), weight
+        if compared >= SPREAD_MIN_COMPARED:
+            self.rates.append(min(MAX_ACCEPTANCE, max(1.0 - MAX_ACCEPTANCE, accepted / compared)))
 
-    def prior(self, fallback: float) -> tuple[float, float]:
-        """(mean acceptance, its weight in observations) for a new slot's record; ``fallback``
-        with PRIOR_WEIGHT until SPREAD_REQUESTS requests have finished."""
-        return self._prior if self._prior is not None else (fallback, PRIOR_WEIGHT)
+    def expected(self, accepted: float, compared: float, fallback: float) -> float:
+        """The acceptance a slot that has seen ``accepted`` right of ``compared`` can expect of
+        the kind of request it is in; ``fallback`` until SPREAD_REQUESTS requests have finished."""
+        if len(self.rates) < SPREAD_REQUESTS:
+            return fallback
+        rejected = compared - accepted
+        logs = [accepted * math.log(p) + rejected * math.log(1.0 - p) for p in self.rates]
+        top = max(logs)
+        weights = [math.exp(x - top) for x in logs]
+        return sum(w * p for w, p in zip(weights, self.rates, strict=True)) / sum(weights)
 
 
 @dataclass
@@ -303,7 +297,7 @@ class SlotRecord:
     declined: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def chances(self, max_len: int, record: Acceptance, confidence: list[float] | None,
-                calibration: Calibration, prior: tuple[float, float] | None = None) -> list[float]:
+                calibration: Calibration, start: float | None = None) -> list[float]:
         """The chance each drafted token is accepted: the drafter's own confidence where it has
         one (read through its calibration), else the global per-position rate; either scaled by
         how this slot's record compares with what the drafter's record predicted (for rates,
@@ -312,15 +306,15 @@ class SlotRecord:
         request that copies text from its prompt has its drafts right far more often than the
         drafter's confidence bands say over all requests; the slot's record finds that out
         within a few verifications (Gemma 3's first agentic request drafted two tokens a step,
-        each right, for most of its answer while the bands caught up). ``prior``: what a slot's
-        record of rates starts from, (acceptance, weight in observations); the drafter's record
-        with PRIOR_WEIGHT if None."""
+        each right, for most of its answer while the bands caught up). ``start``: the acceptance
+        the slot's record of rates starts from, worth PRIOR_WEIGHT observations (the drafter's
+        record if None)."""
         if confidence is not None:
             shift = (self.stated_accepted + PRIOR_WEIGHT) / (self.stated_expected + PRIOR_WEIGHT)
             return [_bounded(calibration.chance(c) * shift) for c in confidence[:max_len]]
         overall = record.overall()
-        start, weight = prior if prior is not None else (overall, PRIOR_WEIGHT)
-        own = (self.accepted + weight * start) / (self.compared + weight)
+        start = overall if start is None else start
+        own = (self.accepted + PRIOR_WEIGHT * start) / (self.compared + PRIOR_WEIGHT)
         shift = own / max(overall, 1e-6)
         return [_bounded(record.rate(i) * shift) for i in range(max_len)]
 
@@ -401,7 +395,7 @@ class SpeculationPolicy:
         self.acceptance: dict[str, Acceptance] = {}
         self.calibrations: dict[str, Calibration] = {}  # what each drafter's confidence means
         self.failed_probes = 0  # probes in a row, over all slots and requests, that found nothing
-        self.spread = RequestSpread()  # finished requests' acceptance: a new slot's prior
+        self.earlier = EarlierRequests()  # where a slot's record of rates starts
 
     def record(self, drafter: str) -> Acceptance:
         return self.acceptance.setdefault(drafter, Acceptance())
@@ -424,8 +418,8 @@ class SpeculationPolicy:
             return Choice(drafter, 0, 0.0)  # on a tiny target the full choice is a tenth of a step
         stated = confidence[:max_len] if confidence is not None else None
         record = self.record(drafter)
-        prior = self.spread.prior(record.overall()) if stated is None else None
-        chances = slot.chances(max_len, record, stated, self.calibration(drafter), prior)
+        start = self.earlier.expected(slot.accepted, slot.compared, record.overall()) if stated is None else None
+        chances = slot.chances(max_len, record, stated, self.calibration(drafter), start)
         k, value = self._best_length(chances, n_generating, draft_model=draft_model)
         if confidence is None and k == 0:
             slot.declined[drafter] = (max_len, n_generating)
@@ -477,8 +471,8 @@ class SpeculationPolicy:
             slot.failed_probes = self.failed_probes = 0
 
     def finished(self, slot: SlotRecord) -> None:
-        """A slot's request ended: what its drafts were worth joins the next requests' prior."""
-        self.spread.finished(slot.accepted, slot.compared)
+        """A slot's request ended: what its drafts were worth is where the next slots start."""
+        self.earlier.finished(slot.accepted, slot.compared)
 
     def unverified(self, slot: SlotRecord, drafter: str, confidence: list[float] | None, compared: int,
                    accepted: int) -> None:
