@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from hyspec import speculation
 from hyspec.draft_policy import (
+    EARLIER_REQUESTS_NEEDED,
     MAX_ACCEPTANCE,
-    SPREAD_REQUESTS,
     Acceptance,
     Calibration,
     Costs,
@@ -536,8 +536,7 @@ def test_a_slot_starts_from_the_kind_of_request_its_first_tokens_show() -> None:
     record, calibration = policy.record(SUFFIX), policy.calibration(SUFFIX)
 
     def chance(slot: SlotRecord) -> float:
-        start = policy.earlier.expected(slot.accepted, slot.compared, record.overall())
-        return slot.chances(1, record, None, calibration, start)[0]
+        return slot.chances(1, record, None, calibration, policy.earlier.expected(slot.accepted, slot.compared))[0]
 
     assert chance(SlotRecord()) == pytest.approx(sum(alphas) / len(alphas))
     assert chance(SlotRecord(accepted=9, compared=10)) > 0.85
@@ -547,11 +546,11 @@ def test_a_slot_starts_from_the_kind_of_request_its_first_tokens_show() -> None:
 
 def test_a_slot_starts_from_the_drafters_record_until_requests_have_finished() -> None:
     policy = SpeculationPolicy(hybrid=True, rollback_costs=False)
-    for _ in range(SPREAD_REQUESTS - 1):
+    for _ in range(EARLIER_REQUESTS_NEEDED - 1):
         policy.finished(SlotRecord(accepted=60, compared=60))
-    assert policy.earlier.expected(0, 0, 0.4) == 0.4
+    assert policy.earlier.expected(0, 0) is None  # SlotRecord.chances: the drafter's record
     policy.finished(SlotRecord(accepted=60, compared=60))
-    assert policy.earlier.expected(0, 0, 0.4) == MAX_ACCEPTANCE
+    assert policy.earlier.expected(0, 0) == MAX_ACCEPTANCE
 
 
 def _gemma_costs() -> Costs:

@@ -45,9 +45,9 @@ _WEIGHT = 0.2  # of a new measurement in the running cost estimates
 # checkpoints draft 16-40 tokens and roll back 2-10 times after the α = 0.9 ones).
 PRIOR_WEIGHT = 4.0
 # Once this many requests have finished, a slot's record starts from theirs (EarlierRequests).
-SPREAD_REQUESTS = 3
-SPREAD_MEMORY = 32  # the latest finished requests it keeps
-SPREAD_MIN_COMPARED = 8  # a request that compared fewer tokens says too little to count
+EARLIER_REQUESTS_NEEDED = 3
+EARLIER_REQUESTS_KEPT = 32  # the latest finished requests it keeps
+EARLIER_MIN_COMPARED = 8  # a request that compared fewer tokens says too little to count
 MAX_ACCEPTANCE = 0.98  # no estimate is ever certain
 CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of stated confidence
 CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
@@ -261,23 +261,26 @@ class EarlierRequests:
     request is one possibility, weighted by how likely it makes what the slot has seen so far
     (an empirical mixture): nine right of ten rules out 0.3 and 0.6 at once."""
 
-    rates: deque[float] = field(default_factory=lambda: deque(maxlen=SPREAD_MEMORY))
+    # Each request's rate with the logarithms of it and of its complement, taken once: a slot's
+    # choice weighs every kept request each step.
+    rates: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=EARLIER_REQUESTS_KEPT))
 
     def finished(self, accepted: float, compared: float) -> None:
         """A request ended having compared ``compared`` tokens of such drafts, ``accepted`` right."""
-        if compared >= SPREAD_MIN_COMPARED:
-            self.rates.append(min(MAX_ACCEPTANCE, max(1.0 - MAX_ACCEPTANCE, accepted / compared)))
+        if compared >= EARLIER_MIN_COMPARED:
+            rate = min(MAX_ACCEPTANCE, max(1.0 - MAX_ACCEPTANCE, accepted / compared))
+            self.rates.append((rate, math.log(rate), math.log(1.0 - rate)))
 
-    def expected(self, accepted: float, compared: float, fallback: float) -> float:
+    def expected(self, accepted: float, compared: float) -> float | None:
         """The acceptance a slot that has seen ``accepted`` right of ``compared`` can expect of
-        the kind of request it is in; ``fallback`` until SPREAD_REQUESTS requests have finished."""
-        if len(self.rates) < SPREAD_REQUESTS:
-            return fallback
+        the kind of request it is in; None until EARLIER_REQUESTS_NEEDED requests have finished."""
+        if len(self.rates) < EARLIER_REQUESTS_NEEDED:
+            return None
         rejected = compared - accepted
-        logs = [accepted * math.log(p) + rejected * math.log(1.0 - p) for p in self.rates]
+        logs = [accepted * log_right + rejected * log_wrong for _, log_right, log_wrong in self.rates]
         top = max(logs)
         weights = [math.exp(x - top) for x in logs]
-        return sum(w * p for w, p in zip(weights, self.rates, strict=True)) / sum(weights)
+        return sum(w * rate for w, (rate, _, _) in zip(weights, self.rates, strict=True)) / sum(weights)
 
 
 @dataclass
@@ -418,7 +421,7 @@ class SpeculationPolicy:
             return Choice(drafter, 0, 0.0)  # on a tiny target the full choice is a tenth of a step
         stated = confidence[:max_len] if confidence is not None else None
         record = self.record(drafter)
-        start = self.earlier.expected(slot.accepted, slot.compared, record.overall()) if stated is None else None
+        start = self.earlier.expected(slot.accepted, slot.compared) if stated is None else None
         chances = slot.chances(max_len, record, stated, self.calibration(drafter), start)
         k, value = self._best_length(chances, n_generating, draft_model=draft_model)
         if confidence is None and k == 0:
