@@ -241,7 +241,7 @@ class _Fixed:
         return [Draft(self.tokens[:i.max_len], self.confidence[:i.max_len] if self.confidence else None)
                 for i in items]
 
-    def release(self, seq: int) -> None:
+    def release(self, seq: int, history: list[int] | None = None) -> None:
         pass
 
 
@@ -357,7 +357,7 @@ class _Copying:
             drafts.append(Draft(tokens, None if self.confidence is None else [self.confidence] * len(tokens)))
         return drafts
 
-    def release(self, seq: int) -> None:
+    def release(self, seq: int, history: list[int] | None = None) -> None:
         pass
 
 

@@ -127,6 +127,20 @@ def test_earlier_requests_outputs_are_drafted_from_by_every_slot() -> None:
     assert off.propose([DraftItem(5, [9, 9, 100, 101, 102, 103], 4, 2)])[0].tokens == []
 
 
+def test_a_request_leaves_the_tokens_of_its_last_step_in_the_shared_index_too() -> None:
+    """The drafter last saw the history before the final step; its release brings the rest."""
+    drafter = SuffixDrafter()
+    prompt, answer = [1, 2, 3, 4], list(range(100, 120))
+    drafter.propose([DraftItem(0, prompt + answer[:10], 4, 4)])
+    drafter.release(0, prompt + answer)
+    assert drafter.propose([DraftItem(1, [9] + answer[10:15], 4, 1)])[0].tokens == answer[15:19]
+    # A history that is not the one the drafter indexed (a reused slot) adds nothing.
+    other = SuffixDrafter()
+    other.propose([DraftItem(0, prompt + answer[:10], 4, 4)])
+    other.release(0, [5, 6] + answer)
+    assert other.propose([DraftItem(1, [9] + answer[10:15], 4, 1)])[0].tokens == []
+
+
 def test_the_shared_index_stays_within_its_bound_oldest_requests_leaving_first() -> None:
     budget = 2 << 20
     tracemalloc.start()

@@ -251,7 +251,7 @@ class Scheduler:
     def _free(self, slot: Slot) -> None:
         # Free everything the request held before its sequence id is reused.
         self.rollback.clear(slot.seq)
-        self.speculator.release(slot.seq, slot.record)
+        self.speculator.release(slot.seq, slot.record, slot.history)
         del self.slots[slot.seq]
         heapq.heappush(self.free_seqs, slot.seq)
 

@@ -197,13 +197,14 @@ class Speculator:
         verified = Choice(choice.drafter, drafted, choice.expected, choice.value, choice.probe, stated)
         self.policy.observe(record, verified, accepted)
 
-    def release(self, seq: int, record: SlotRecord) -> None:
-        """The slot's request ended; ``record`` is what its drafts were worth."""
+    def release(self, seq: int, record: SlotRecord, history: list[int]) -> None:
+        """The slot's request ended; ``record`` is what its drafts were worth, ``history`` all
+        its tokens."""
         self._drop_unverified(seq)
         self.policy.finished(record)
         for drafter in (self.suffix, self.model):
             if drafter is not None:
-                drafter.release(seq)
+                drafter.release(seq, history)
 
 
 def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, prompt: list[int],

@@ -32,6 +32,7 @@ class Drafter(Protocol):
         """One draft per item (possibly empty, at most max_len tokens), all slots at once."""
         ...
 
-    def release(self, seq: int) -> None:
-        """The slot's request is over: forget everything about the sequence."""
+    def release(self, seq: int, history: list[int] | None = None) -> None:
+        """The slot's request is over: forget everything about the sequence. ``history``: all
+        its tokens, prompt and output (a drafter that learns across requests keeps them)."""
         ...

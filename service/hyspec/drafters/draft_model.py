@@ -124,7 +124,7 @@ class DraftModelDrafter:
                 result[seq] = int(best[k])
         return result
 
-    def release(self, seq: int) -> None:
+    def release(self, seq: int, history: list[int] | None = None) -> None:
         state = self._seqs.pop(seq, None)
         if state is not None and self.cache is not None and state.tokens:
             n = len(state.tokens)

@@ -94,5 +94,5 @@ class OracleDrafter:
             self._right.append(self._rng.random() < self.alpha)
         return self._right[position]
 
-    def release(self, seq: int) -> None:
+    def release(self, seq: int, history: list[int] | None = None) -> None:
         self._prompt_of.pop(seq, None)

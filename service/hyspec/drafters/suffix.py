@@ -187,12 +187,15 @@ class SuffixDrafter:
             request.tokens.append(token)
         return request
 
-    def release(self, seq: int) -> None:
-        """The request is over: its output (after its prompt's last tokens) joins the shared
-        index, which then drops the oldest requests until it fits."""
+    def release(self, seq: int, history: list[int] | None = None) -> None:
+        """The request is over: its output (after its prompt's last tokens; all of ``history``,
+        the tokens of its last step included, where given) joins the shared index, which then
+        drops the oldest requests until it fits."""
         request = self._requests.pop(seq, None)
         if request is None:
             return
+        if history is not None and history[:len(request.tokens)] == request.tokens:
+            request.tokens += history[len(request.tokens):]
         kept = request.tokens[max(0, request.n_prompt - PROMPT_TAIL):]
         if len(kept) > PROMPT_TAIL:
             self.shared.tree.insert(kept)
