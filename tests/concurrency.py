@@ -77,10 +77,6 @@ def draw_cases(rng: random.Random, modes: list[SpecMode], n: int, long_prompt: i
             parent = rng.choice(cases)
             prompt = parent.prompt[1:] + [rng.randint(low, high) for _ in range(length // 4 + 1)]
             delay = parent.delay + 0.5 + rng.random() * 0.5  # mostly after the parent finished
-        elif cases and rng.random() < 0.3:  # a retry: the suffix drafter's shared index knows the answer
-            parent = rng.choice(cases)
-            prompt = parent.prompt[1:]
-            delay = parent.delay + 0.5 + rng.random() * 0.5
         elif rng.random() < 0.3:  # repetitive: the n-gram drafter finds something
             unit = [rng.randint(low, high) for _ in range(rng.randint(2, 6))]
             prompt = (unit * (length // len(unit) + 1))[:length]
