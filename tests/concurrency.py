@@ -2,7 +2,7 @@
 
 A round draws requests (prompts of different lengths, some longer than a ubatch; greedy and
 seeded sampling; every speculation mode the engine has; some cancelled part-way; some
-continuing an earlier request's prompt, so that the prefix cache hits) and submits them at
+continuing or repeating an earlier request's prompt, so that the prefix cache hits) and submits them at
 random moments, so that they arrive while others are mid-generation. Every output, finished
 or cancelled, is then walked along the target's plain run (hyspec.exactness) with the batch
 shapes the engine recorded. Shared by the make-test check and the longer soak
@@ -77,6 +77,10 @@ def draw_cases(rng: random.Random, modes: list[SpecMode], n: int, long_prompt: i
             parent = rng.choice(cases)
             prompt = parent.prompt[1:] + [rng.randint(low, high) for _ in range(length // 4 + 1)]
             delay = parent.delay + 0.5 + rng.random() * 0.5  # mostly after the parent finished
+        elif cases and rng.random() < 0.3:  # a retry: the whole prompt but its last token is cached
+            parent = rng.choice(cases)
+            prompt = parent.prompt[1:]
+            delay = parent.delay + 0.5 + rng.random() * 0.5
         elif rng.random() < 0.3:  # repetitive: the n-gram drafter finds something
             unit = [rng.randint(low, high) for _ in range(rng.randint(2, 6))]
             prompt = (unit * (length // len(unit) + 1))[:length]

@@ -10,7 +10,7 @@ import numpy as np
 from hyspec import _native as N
 from hyspec.engine import Engine, EngineConfig
 from hyspec.exactness import _cdf_bound, _draw_distance, _select, check
-from hyspec.types import GenerationRequest, SamplingParams
+from hyspec.types import BatchShape, GenerationRequest, SamplingParams, SpecMode, SpecParams, Trace
 
 PROMPT = [1, 4021, 977, 15000, 301, 8812, 64, 20931]
 SAMPLED = SamplingParams(temperature=1.0, top_k=5, seed=7)
@@ -66,3 +66,47 @@ def test_near_equal_candidates_walked_by_logit_may_change_places() -> None:
     assert _cdf_bound(flat, 1, 4, 0.001, 0.0) < distance  # 1.001 vs 1.004: too far for this noise
     by_id = flat[[0, 2, 1, 4, 3, 5]]  # the same candidates walked by token id: they cannot swap
     assert _cdf_bound(by_id, 1, 4, 0.005, 0.0) < _draw_distance(by_id, draw, 4)
+
+
+def test_a_requests_memory_is_described_in_the_batches_that_computed_it() -> None:
+    """Trace.memory_chunks (what a prefix cache entry records): the prompt's chunks, then each
+    decode's fed token and the drafts it accepted, in a batch of the decode's size; positions a
+    later decode fed again (a replay) take its shape; the first n positions only."""
+    s = BatchShape
+    trace = Trace(prefill=[s(16, 15, 16), s(4, 3, 20)], tokens=[
+        s(4, 3, 20),  # token 0: the prompt's last chunk chose it
+        s(1, 0, 3),  # token 1: a plain step beside two other slots (fed position 20)
+        s(5, 0, 9), s(5, 1, 9), s(5, 2, 9),  # tokens 2-4: a verify of 1 + 4 drafts, two accepted (21-23)
+        s(1, 0, 1),  # token 5: fed position 24
+        s(2, 1, 2),  # token 6: fed positions 24 and 25 again
+    ])
+    assert trace.memory_chunks(20, 26) == [s(16, 15, 16), s(4, 3, 20), s(1, 0, 3), s(3, 2, 9), s(2, 1, 2)]
+    assert trace.memory_chunks(20, 22) == [s(16, 15, 16), s(4, 3, 20), s(1, 0, 3), s(1, 0, 9)]
+    assert trace.memory_chunks(20, 10) == [s(10, 9, 16)]
+    assert [(start, end, last) for start, end, _, last in trace.decodes(20, 6)] == \
+        [(20, 21, 1), (21, 24, 4), (24, 25, 5), (24, 26, 6)]
+
+
+def test_replays_in_recorded_batches_explain_float_noise_not_a_runner_up(tiny_llama: Path) -> None:
+    """With a recorded trace the judge replays the engine's batches in many cell layouts; what
+    those explain stays float noise: the plain run's runner-up, trailing by a tenth of a logit
+    or more, is still a mismatch (the layouts' noise on this model is a few hundredths)."""
+    with Engine(EngineConfig(model=tiny_llama, threads=2, ctx=256, record_shapes=True, draft_max=4)) as engine:
+        result = engine.generate(GenerationRequest(token_ids=PROMPT * 3, max_tokens=24, ignore_eos=True,
+                                                   spec=SpecParams(mode=SpecMode.NGRAM)))
+    assert result.trace is not None and check(tiny_llama, PROMPT * 3, result.token_ids, trace=result.trace).ok
+    history = PROMPT * 3 + result.token_ids
+    ctx = N.Context(N.Model(str(tiny_llama)), n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=2)
+    ctx.decode(np.asarray(history, np.int32), np.arange(len(history), dtype=np.int32),
+               np.zeros(len(history), np.int32), np.ones(len(history), bool))
+    runner_up: dict[int, tuple[float, int]] = {}  # output index -> (margin, token)
+    for j in range(1, len(result.token_ids)):
+        logits = ctx.logits(len(PROMPT) * 3 + j - 1)
+        first, second = np.argsort(logits)[::-1][:2]
+        if int(first) == result.token_ids[j] and logits[first] - logits[second] >= 0.1:
+            runner_up[j] = (float(logits[first] - logits[second]), int(second))
+    j = min(runner_up, key=lambda k: runner_up[k][0])
+    wrong = list(result.token_ids)
+    wrong[j] = runner_up[j][1]
+    verdict = check(tiny_llama, PROMPT * 3, wrong, trace=result.trace)
+    assert not verdict.ok and verdict.mismatch is not None and verdict.mismatch.index == j, verdict.describe()

@@ -16,7 +16,7 @@ from hyspec import _native as N
 from hyspec import prefix_cache
 from hyspec.engine import Engine, EngineConfig
 from hyspec.prefix_cache import CacheSizing, PrefixCache, common_prefix
-from hyspec.types import FinishReason, GenerationRequest, Result, SpecMode, SpecParams
+from hyspec.types import BatchShape, FinishReason, GenerationRequest, Result, SpecMode, SpecParams
 
 BATCH = 16  # prompts prefill in chunks of 16: a hybrid target keeps a checkpoint every 16 tokens
 RNG = random.Random(11)
@@ -85,6 +85,29 @@ def test_hit_partial_hit_and_miss(target: Path, make_engine: Factory) -> None:
     miss = run(engine, [128000, 5, 6, 7, 8, 9, 10])
     assert miss.stats.cached_tokens == 0
     assert engine.cache.stats.hits == 2 and engine.cache.stats.lookups == 4
+
+
+def test_a_cached_prefix_is_traced_in_the_batches_that_computed_it(target: Path, make_engine: Factory) -> None:
+    """The trace hyspec.exactness replays shows a cached prefix in the batches of the request
+    that left it, not as one chunk: the memory holds that request's float noise, and a replay
+    in other shapes would misjudge how much noise a near-tie may have."""
+    engine = make_engine(target, slots=1)
+    first = run(engine, P1)  # 41 prompt tokens in chunks of 16, then 11 one-token steps into memory
+    assert first.trace is not None and [c.length for c in first.trace.prefill] == [16, 16, 9]
+    turn = P1 + first.token_ids + [1000, 1001, 1002]
+    second = run(engine, turn)
+    assert second.stats.cached_tokens == 52 and second.trace is not None
+    # Then its own chunk: the first answer's last token (never fed) and the three new ones.
+    assert second.trace.prefill == [*first.trace.prefill, *[BatchShape(1, 0, 1)] * 11, BatchShape(4, 3, 4)]
+    # A hit ending inside one of those batches: the batch's part, in a batch of its size.
+    partial = P1[:36] + [2000, 2001]
+    third = run(engine, partial)
+    cut = 32 if engine.model.is_hybrid else 36
+    assert third.stats.cached_tokens == cut and third.trace is not None
+    expected = [BatchShape(16, 15, 16)] * 2 + ([] if cut == 32 else [BatchShape(4, 3, 9)])
+    assert third.trace.prefill[:len(expected)] == expected
+    assert sum(c.length for c in third.trace.prefill) == len(partial)
+    same_as_fresh(make_engine(target, slots=1, prefix_cache_mb=0), target, partial, third)
 
 
 def test_a_shared_system_prompt_and_a_repeated_prompt_hit_with_long_chunks(target: Path,

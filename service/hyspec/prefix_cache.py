@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hyspec._native import Context, Model, StateError, max_parallel_sequences
 from hyspec.gguf_header import read_keys
+from hyspec.types import BatchShape, prefix_chunks
 
 MIN_REUSE = 4  # fewer cached tokens than this are not worth the bookkeeping
 MAX_ENTRIES = 64  # a lookup compares the prompt with every entry
@@ -47,7 +49,17 @@ class Entry:
     memory: bytes  # the sequence's whole memory after ``tokens`` (state_seq_get, not partial)
     checkpoints: dict[int, bytes]  # recurrent state after the first n tokens (hybrid targets)
     nbytes: int
+    shapes: list[BatchShape] | None = None  # the batches that computed the memory (Trace.memory_chunks)
     last_used: float = field(default_factory=time.monotonic)
+
+
+class Hit(NamedTuple):
+    """What ``attach`` gave a sequence: its first ``tokens`` prompt tokens, the recurrent
+    checkpoint there, and the batches that computed them (where the entry recorded them)."""
+
+    tokens: int
+    checkpoint: bytes | None = None
+    shapes: list[BatchShape] | None = None
 
 
 @dataclass
@@ -131,7 +143,7 @@ class PrefixCache:
     def hit_rate(self) -> float:
         return self.stats.hits / self.stats.lookups if self.stats.lookups else 0.0
 
-    def attach(self, seq: int, prompt: list[int]) -> tuple[int, bytes | None]:
+    def attach(self, seq: int, prompt: list[int]) -> Hit:
         """Give empty sequence ``seq`` the longest cached prefix of ``prompt`` (at least one
         prompt token is left to decode, for its logits). Returns how many tokens it now holds
         and the recurrent checkpoint there (None on a miss or without recurrent state)."""
@@ -144,12 +156,12 @@ class PrefixCache:
             if match > best_n:
                 best, best_n = entry, match
         if best is None or best_n < MIN_REUSE:
-            return 0, None
+            return Hit(0)
         try:
             self.ctx.state_seq_set(self.scratch, best.memory, partial=False)
         except StateError:  # no contiguous room for it in the KV buffer now: a miss
             self.ctx.memory_seq_rm(self.scratch, -1, -1)
-            return 0, None
+            return Hit(0)
         self.ctx.memory_seq_cp(self.scratch, seq, 0, best_n)  # shares the cells, copies no data
         self.ctx.memory_seq_rm(self.scratch, -1, -1)
         checkpoint = best.checkpoints.get(best_n) if self.recurrent else None
@@ -159,11 +171,13 @@ class PrefixCache:
         best.last_used = time.monotonic()
         self.stats.hits += 1
         self.stats.reused_tokens += best_n
-        return best_n, checkpoint
+        return Hit(best_n, checkpoint, prefix_chunks(best.shapes, best_n) if best.shapes is not None else None)
 
-    def store(self, seq: int, tokens: list[int], checkpoints: dict[int, bytes]) -> None:
+    def store(self, seq: int, tokens: list[int], checkpoints: dict[int, bytes],
+              shapes: list[BatchShape] | None = None) -> None:
         """Keep what sequence ``seq`` holds (``tokens``, its memory position by position) as an
-        entry; the caller then clears ``seq``. An entry that the new one extends is replaced."""
+        entry; the caller then clears ``seq``. An entry that the new one extends is replaced.
+        ``shapes``: the batches that computed that memory, for hyspec.exactness."""
         if len(tokens) < MIN_REUSE or self.budget <= 0:
             return
         kept = {n: data for n, data in checkpoints.items() if n <= len(tokens)}
@@ -187,7 +201,7 @@ class PrefixCache:
         while self.entries and (len(self.entries) >= MAX_ENTRIES or self.nbytes + nbytes > self.budget):
             self._drop(min(self.entries, key=lambda e: e.last_used))
         if nbytes <= self.budget:
-            self.entries.append(Entry(list(tokens), memory, kept, nbytes))
+            self.entries.append(Entry(list(tokens), memory, kept, nbytes, shapes))
 
     def clear(self) -> None:
         self.entries.clear()

@@ -214,12 +214,13 @@ class Scheduler:
             slot.stats.prompt_tokens = len(job.prompt)
             slot.stats.accepted_by_position = [0] * job.draft_max
             if self.cache is not None:
-                cached, checkpoint = self.cache.attach(seq, job.prompt)
-                slot.n_mem = slot.stats.cached_tokens = cached
-                if checkpoint is not None:
-                    slot.checkpoints[cached] = checkpoint
-                if cached:
-                    self._record_chunk(slot, cached, cached)
+                hit = self.cache.attach(seq, job.prompt)
+                slot.n_mem = slot.stats.cached_tokens = hit.tokens
+                if hit.checkpoint is not None:
+                    slot.checkpoints[hit.tokens] = hit.checkpoint
+                if hit.tokens and slot.trace is not None:
+                    # The cached memory was computed in the batches of the requests that left it.
+                    slot.trace.prefill += hit.shapes or [BatchShape(hit.tokens, hit.tokens - 1, hit.tokens)]
             self.slots[seq] = slot
 
     def _finish(self, slot: Slot, reason: FinishReason) -> None:
@@ -260,7 +261,8 @@ class Scheduler:
         assert self.cache is not None
         if self.cache.recurrent and not slot.ring_pending and slot.n_mem not in slot.checkpoints:
             slot.checkpoints[slot.n_mem] = self.ctx.state_seq_get(slot.seq, partial=True)
-        self.cache.store(slot.seq, slot.history[:slot.n_mem], slot.checkpoints)
+        shapes = slot.trace.memory_chunks(len(slot.job.prompt), slot.n_mem) if slot.trace is not None else None
+        self.cache.store(slot.seq, slot.history[:slot.n_mem], slot.checkpoints, shapes)
 
     def _checkpoint_prefill(self, slot: Slot) -> None:
         """A prompt chunk is in: keep the recurrent state here for the prefix cache."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -130,6 +131,52 @@ class Trace:
 
     prefill: list[BatchShape] = field(default_factory=list)
     tokens: list[BatchShape] = field(default_factory=list)
+
+    def decodes(self, n_prompt: int, upto: int) -> Iterator[tuple[int, int, int, int]]:
+        """The decodes that chose output tokens 1..``upto`` (token 0 came with the prompt), as
+        ``(start, end, total, last)``: one fed history positions ``start..end - 1`` (the fed
+        token(s) and the drafts it accepted) in a batch of ``total`` tokens and chose tokens up
+        to ``last``."""
+        j = 1
+        while j <= upto:
+            shape = self.tokens[j]
+            last = j  # one decode's tokens: consecutive offsets in batches of one shape
+            while (last + 1 <= upto and self.tokens[last + 1][::2] == shape[::2]
+                   and self.tokens[last + 1].offset == self.tokens[last].offset + 1):
+                last += 1
+            start = n_prompt + j - 1 - shape.offset
+            end = n_prompt + last
+            yield start, end, max(shape.total, end - start), last
+            j = last + 1
+
+    def memory_chunks(self, n_prompt: int, n: int) -> list[BatchShape]:
+        """How the memory of the first ``n`` history positions was computed, as prompt chunks
+        (the form of ``prefill``): what a prefix cache entry made from this request holds, so
+        that a request resuming from it is checked in the shapes that really computed it."""
+        spans: list[tuple[int, int, int]] = []  # start, end, total
+        for chunk in self.prefill:
+            at = spans[-1][1] if spans else 0
+            spans.append((at, at + chunk.length, chunk.total))
+        for start, end, total, _ in self.decodes(n_prompt, len(self.tokens) - 1):
+            while spans and spans[-1][0] >= start:  # positions decoded again (a replay) hold the later values
+                spans.pop()
+            if spans and spans[-1][1] > start:
+                spans[-1] = (spans[-1][0], start, spans[-1][2])
+            spans.append((start, end, total))
+        return prefix_chunks([BatchShape(end - start, end - start - 1, total) for start, end, total in spans], n)
+
+
+def prefix_chunks(chunks: list[BatchShape], n: int) -> list[BatchShape]:
+    """The prompt chunks (``Trace.prefill`` form) that cover the first ``n`` positions."""
+    kept: list[BatchShape] = []
+    at = 0
+    for chunk in chunks:
+        if at >= n:
+            break
+        length = min(chunk.length, n - at)
+        kept.append(BatchShape(length, length - 1, chunk.total))
+        at += length
+    return kept
 
 
 @dataclass

@@ -80,9 +80,9 @@ class DraftModelDrafter:
         """Roll the draft memory back to the longest prefix it shares with the history and
         return the history tokens it still has to decode (at least the last one)."""
         if item.seq not in self._seqs and self.cache is not None:
-            cached, data = self.cache.attach(item.seq, item.history)
-            checkpoint = Checkpoint(cached, data) if data is not None else None
-            self._seqs[item.seq] = _SeqState(list(item.history[:cached]), checkpoint)
+            hit = self.cache.attach(item.seq, item.history)
+            checkpoint = Checkpoint(hit.tokens, hit.checkpoint) if hit.checkpoint is not None else None
+            self._seqs[item.seq] = _SeqState(list(item.history[:hit.tokens]), checkpoint)
         state = self._seqs.setdefault(item.seq, _SeqState())
         keep = common_prefix(state.tokens, item.history[:-1])
         if keep < len(state.tokens):
