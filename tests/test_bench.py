@@ -6,15 +6,19 @@ tests on a shared machine measure the machine, not the code).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hyspec.bench.peer import default_binary
+from hyspec.bench.worker import WorkerConfig, _serve
+from hyspec.drafters.suffix import SuffixDrafter
 
 MAX_TOKENS = 32
 PAIRS = 2
@@ -340,3 +344,33 @@ def test_each_scenario_runs_its_pairs_in_orders_of_its_own() -> None:
         assert len({tuple(o) for o in orders}) > 1  # not one order for all
         assert orders == [_shuffled(settings, r, i) for r in results]  # the same again: seeded
     assert len({tuple(_shuffled(settings, results[0], i)) for i in range(5)}) > 1  # nor one for all pairs
+
+
+def test_each_mode_of_the_worker_learns_from_its_own_earlier_requests_only(tiny_llama: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's hyspec worker gives each speculation mode a suffix index of its own, as a
+    server of its own would have. A request's output reaches its index just after the result
+    (on the engine's thread), so the worker switches indexes only once the last command's
+    requests are released: the first `auto` request, after an `ngram` one on the same prompt,
+    finds nothing of it; each mode's second finds its first. A slow release widens the window
+    (in which the `ngram` answer used to reach the `auto` index)."""
+    release = SuffixDrafter.release
+
+    def slow_release(self: SuffixDrafter, seq: int, history: list[int] | None = None) -> None:
+        time.sleep(0.2)
+        release(self, seq, history)
+
+    monkeypatch.setattr(SuffixDrafter, "release", slow_release)
+    prompt = [128000] + [300 + (7 * i) % 500 for i in range(40)]
+    commands = "".join(json.dumps({"op": "run", "requests": [{"prompt": prompt, "max_tokens": 24, "spec": mode,
+                                                              "draft_max": 4}]}) + "\n"
+                       for mode in ("ngram", "auto", "ngram", "auto"))
+    replies = io.StringIO()
+    _serve(WorkerConfig(model=str(tiny_llama), threads=2, ctx=512, draft_max=4, adaptive_draft=False),
+           io.StringIO(commands), replies)
+    ngram, auto, ngram_again, auto_again = (json.loads(line)["runs"][0] for line in replies.getvalue().splitlines()[1:])
+    assert ngram["tokens"] == auto["tokens"] == ngram_again["tokens"] == auto_again["tokens"]
+    answered = len(ngram["tokens"]) - 2  # all but the first token (with the prompt) and the last step's own
+    assert auto["accepted"] < answered // 2, auto
+    for again in (ngram_again, auto_again):
+        assert again["accepted"] >= answered // 2, again

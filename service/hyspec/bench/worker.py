@@ -136,6 +136,12 @@ def _serve(config: WorkerConfig, stdin: IO[str], stdout: IO[str]) -> None:
                                               spec=SpecParams(mode=SpecMode(r["spec"]), draft_max=r["draft_max"]))
                             for r in cmd["requests"]]
                 if isinstance(suffix, SuffixDrafter):
+                    # The engine thread hands a finished request to the index just after its
+                    # result: the last command's requests must reach their own mode's index
+                    # before the switch (they reached the next command's, so the n-gram mode
+                    # learnt from whichever mode ran before it, and its own first one from none).
+                    while engine.scheduler.busy:
+                        time.sleep(0.001)
                     suffix.shared = indexes.setdefault(cmd["requests"][0]["spec"], SharedIndex())
                 timers.reset()
                 t0 = time.perf_counter()
