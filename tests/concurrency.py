@@ -2,10 +2,10 @@
 
 A round draws requests (prompts of different lengths, some longer than a ubatch; greedy and
 seeded sampling; every speculation mode the engine has; some cancelled part-way; some
-continuing or repeating an earlier request's prompt, so that the prefix cache hits) and submits them at
-random moments, so that they arrive while others are mid-generation. Every output, finished
-or cancelled, is then walked along the target's plain run (hyspec.exactness) with the batch
-shapes the engine recorded. Shared by the make-test check and the longer soak
+continuing or repeating an earlier request's prompt, so that the prefix cache hits) and submits
+them at random moments, so that they arrive while others are mid-generation. Every output,
+finished or cancelled, is then walked along the target's plain run (hyspec.exactness) with the
+batch shapes the engine recorded. Shared by the make-test check and the longer soak
 (test_concurrency.py).
 """
 
