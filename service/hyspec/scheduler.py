@@ -218,9 +218,10 @@ class Scheduler:
                 slot.n_mem = slot.stats.cached_tokens = hit.tokens
                 if hit.checkpoint is not None:
                     slot.checkpoints[hit.tokens] = hit.checkpoint
-                if hit.tokens and slot.trace is not None:
-                    # The cached memory was computed in the batches of the requests that left it.
-                    slot.trace.prefill += hit.shapes or [BatchShape(hit.tokens, hit.tokens - 1, hit.tokens)]
+                if slot.trace is not None and hit.shapes:
+                    # The cached memory, in the batches of the requests that computed it (an
+                    # engine that records shapes keeps them with every entry it stores).
+                    slot.trace.prefill += hit.shapes
             self.slots[seq] = slot
 
     def _finish(self, slot: Slot, reason: FinishReason) -> None:
