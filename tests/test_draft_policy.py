@@ -533,24 +533,75 @@ def test_a_slot_starts_from_the_kind_of_request_its_first_tokens_show() -> None:
     policy.finished(SlotRecord(accepted=0, compared=5))  # too short to say what kind it was
     for _ in range(40):
         policy.record(SUFFIX).update(8, 0)  # the latest requests: rejections
-    record, calibration = policy.record(SUFFIX), policy.calibration(SUFFIX)
 
     def chance(slot: SlotRecord) -> float:
-        return slot.chances(1, record, None, calibration, policy.earlier.expected(slot.accepted, slot.compared))[0]
+        chances = policy.earlier.chances(slot.accepted, slot.compared, 1)
+        assert chances is not None
+        return chances[0]
 
-    assert chance(SlotRecord()) == pytest.approx(sum(alphas) / len(alphas))
+    any_rate = 0.5  # the kind no earlier request was, before anything is seen
+    assert chance(SlotRecord()) == pytest.approx((sum(alphas) + any_rate) / (len(alphas) + 1))
     assert chance(SlotRecord(accepted=9, compared=10)) > 0.85
     assert chance(SlotRecord(accepted=1, compared=5)) < 0.35
+    record, calibration = policy.record(SUFFIX), policy.calibration(SUFFIX)
     assert SlotRecord().chances(1, record, None, calibration)[0] < 0.05  # from the latest tokens
+
+
+def test_a_draft_of_a_mixed_record_is_likelier_right_deep_in_it() -> None:
+    """Half the requests were right 30% of the time, half 90%: a new slot's first token is right
+    with the mean, but a token whose predecessors were all right is likelier one of a 90% request
+    (0.3, 0.6 and 0.9 requests after one another: the mean rate over the first token had a slot
+    at α = 0.9 with checkpoint + replay draft four or five tokens where eight paid)."""
+    policy = SpeculationPolicy(hybrid=True, rollback_costs=True)
+    for alpha in (0.3, 0.9) * 8:
+        policy.finished(SlotRecord(accepted=alpha * 60, compared=60))
+    chances = policy.earlier.chances(0, 0, 8)
+    assert chances is not None
+    assert chances[0] == pytest.approx((8 * 0.3 + 8 * 0.9 + 0.5) / 17)
+    assert all(b > a for a, b in itertools.pairwise(chances)) and chances[-1] > 0.85
+    seen = policy.earlier.chances(10, 10, 8)  # ten right of ten: a 90% request
+    assert seen is not None and all(c > 0.88 for c in seen)
+
+
+def test_a_slot_right_more_often_than_any_earlier_request_finds_out() -> None:
+    """Every earlier request was right 30% of the time. A slot right in 12 of 12 is of a kind not
+    seen before: it must not stay at 0.3 (the mixture keeps a kind for any rate)."""
+    policy = SpeculationPolicy(hybrid=True, rollback_costs=False)
+    for _ in range(EARLIER_REQUESTS_NEEDED + 5):
+        policy.finished(SlotRecord(accepted=18, compared=60))
+    before, after = policy.earlier.chances(0, 0, 1), policy.earlier.chances(12, 12, 1)
+    assert before is not None and before[0] < 0.35
+    assert after is not None and after[0] > 0.85
+
+
+def test_a_slot_at_high_acceptance_after_mixed_requests_drafts_the_longest_draft_soon() -> None:
+    """Scenario 4 with checkpoint + replay: requests right 30%, 60% and 90% of the time came
+    before. A request whose drafts are right 90% of the time must reach eight-token drafts
+    within a few steps where eight pay (a 9-token pass costs a step more than a 5-token one on
+    LFM2-1.2B F16 here, a rollback most of a step)."""
+    prompt, text = list(range(10)), list(range(100, 400))
+    for seed in range(10):
+        policy = SpeculationPolicy(hybrid=True, rollback_costs=True)
+        policy.costs.calibrated([0.075], {2: [1.25], 3: [1.37], 4: [1.36], 5: [1.51], 6: [1.6], 7: [2.09],
+                                          8: [2.1], 9: [2.2]})
+        policy.costs.rollback = 0.06
+        for alpha in (0.3, 0.6, 0.9) * 4:
+            policy.finished(SlotRecord(accepted=alpha * 60, compared=60))
+        oracle = OracleDrafter(alpha=0.9, seed=seed)
+        oracle.add_reference(prompt, text)
+        seen = _generate(Speculator({SpecMode.NGRAM: oracle}, policy), prompt + text,  # type: ignore[dict-item]
+                         len(prompt) + 1, 10)
+        assert any(p is not None and len(p.tokens) == 8 for p in seen[:4]), (seed, seen)
 
 
 def test_a_slot_starts_from_the_drafters_record_until_requests_have_finished() -> None:
     policy = SpeculationPolicy(hybrid=True, rollback_costs=False)
     for _ in range(EARLIER_REQUESTS_NEEDED - 1):
         policy.finished(SlotRecord(accepted=60, compared=60))
-    assert policy.earlier.expected(0, 0) is None  # SlotRecord.chances: the drafter's record
+    assert policy.earlier.chances(0, 0, 1) is None  # SlotRecord.chances: the drafter's record
     policy.finished(SlotRecord(accepted=60, compared=60))
-    assert policy.earlier.expected(0, 0) == MAX_ACCEPTANCE
+    assert policy.earlier.chances(0, 0, 1) == [pytest.approx((EARLIER_REQUESTS_NEEDED * MAX_ACCEPTANCE + 0.5)
+                                                             / (EARLIER_REQUESTS_NEEDED + 1))]
 
 
 def _gemma_costs() -> Costs:

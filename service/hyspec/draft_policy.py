@@ -4,11 +4,14 @@ Every drafted token costs a verified position in the target's decode, the drafte
 when a rejection forces a restore on a hybrid target, a rollback; on a CPU that can cost more
 than the tokens it wins. ``Costs`` knows what this machine pays (calibrated at start-up, then
 refined by every step): a decode pass by its width in tokens, a draft-model token and a
-rollback. ``Acceptance`` knows, per drafter, how often a drafted token at each
-position was accepted given the ones before it, over every request so far (so a new request
-starts from experience, not optimism), and each slot blends that with its own record. A drafter
-that states a confidence per token (the suffix drafter) is taken at its word only as far as
-``Calibration`` has seen that word kept: acceptance is learnt per band of stated confidence.
+rollback. A drafter stating no confidence (a draft model) is judged by what earlier requests'
+drafts were worth, each earlier request one kind the slot's may be (``EarlierRequests``: a
+mixture weighted by what the slot has seen); until a few requests have finished, by
+``Acceptance``, how often a drafted token at each position was accepted given the ones before
+it, blended with the slot's own record. So a new request starts from experience, not
+optimism. A drafter that states a confidence per token (the suffix drafter) is taken at its
+word only as far as ``Calibration`` has seen that word kept: acceptance is learnt per band of
+stated confidence.
 
 For a slot offered a draft whose tokens are accepted with chances a_1..a_K (in a row), drafting
 k of them yields on average
@@ -39,12 +42,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 _WEIGHT = 0.2  # of a new measurement in the running cost estimates
-# A slot's own observations count against this many from earlier requests: one verification's
+# A slot's own observations count against this many of its drafter's record: one verification's
 # worth, so that a request whose drafts fail after requests whose drafts were right stops
 # drafting within a couple of verifications (8 had let scenario 4's α = 0.6 requests with
 # checkpoints draft 16-40 tokens and roll back 2-10 times after the α = 0.9 ones).
 PRIOR_WEIGHT = 4.0
-# Once this many requests have finished, a slot's record starts from theirs (EarlierRequests).
+# Once this many requests have finished, a slot's drafts are judged by theirs (EarlierRequests).
 EARLIER_REQUESTS_NEEDED = 3
 EARLIER_REQUESTS_KEPT = 32  # the latest finished requests it keeps
 EARLIER_MIN_COMPARED = 8  # a request that compared fewer tokens says too little to count
@@ -252,7 +255,8 @@ class Calibration:
 @dataclass
 class EarlierRequests:
     """What finished requests' drafts stating no confidence were worth, one rate per request:
-    where a new slot's record starts. The drafter's token record follows the latest requests
+    what a new slot's drafts are expected to be worth, once enough requests have finished (before,
+    the drafter's token record is). The drafter's token record follows the latest requests
     (older tokens fade), so a request after one of another kind started from that one: scenario
     4 serves α = 0.3, 0.6 and 0.9 requests in a shuffled order, and an α = 0.9 request after
     α = 0.3 ones declined its first 14-19 steps. Their mean (0.6, a beta prior fitted to them)
@@ -271,16 +275,34 @@ class EarlierRequests:
             rate = min(MAX_ACCEPTANCE, max(1.0 - MAX_ACCEPTANCE, accepted / compared))
             self.rates.append((rate, math.log(rate), math.log(1.0 - rate)))
 
-    def expected(self, accepted: float, compared: float) -> float | None:
-        """The acceptance a slot that has seen ``accepted`` right of ``compared`` can expect of
-        the kind of request it is in; None until EARLIER_REQUESTS_NEEDED requests have finished."""
+    def chances(self, accepted: float, compared: float, max_len: int) -> list[float] | None:
+        """The chance of each of ``max_len`` drafted tokens, given the ones before it were
+        accepted, for a slot that has seen ``accepted`` right of ``compared``; None until
+        EARLIER_REQUESTS_NEEDED requests have finished. Each kind is weighted by how likely it
+        makes what the slot has seen, and one more kind stands for any rate at all (uniform): a
+        slot right far more often than every earlier request must still find out. A draft's
+        first k tokens are all right with the mixture's mean of rate^k, so a deep token is
+        likelier than the first (reaching it says the request is of a better kind): at α = 0.9
+        after α = 0.3 and 0.6 requests, the mean rate scaled by the drafter's per-position record,
+        whose deep positions pool the good requests, had read a slot's first token at 0.6 and
+        its whole draft far better, and drafted four or five tokens where eight paid."""
         if len(self.rates) < EARLIER_REQUESTS_NEEDED:
             return None
         rejected = compared - accepted
         logs = [accepted * log_right + rejected * log_wrong for _, log_right, log_wrong in self.rates]
+        logs.append(math.lgamma(accepted + 1) + math.lgamma(rejected + 1) - math.lgamma(compared + 2))  # any rate
         top = max(logs)
         weights = [math.exp(x - top) for x in logs]
-        return sum(w * rate for w, (rate, _, _) in zip(weights, self.rates, strict=True)) / sum(weights)
+        runs, any_rate = weights[:-1], weights[-1]  # each kind's weight x the chance of a run of k right
+        before = sum(weights)
+        chances = []
+        for k in range(max_len):
+            runs = [run * rate for run, (rate, _, _) in zip(runs, self.rates, strict=True)]
+            any_rate *= (accepted + 1 + k) / (compared + 2 + k)  # a beta distribution's moments
+            now = sum(runs) + any_rate
+            chances.append(_bounded(now / before))
+            before = now
+        return chances
 
 
 @dataclass
@@ -300,7 +322,7 @@ class SlotRecord:
     declined: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def chances(self, max_len: int, record: Acceptance, confidence: list[float] | None,
-                calibration: Calibration, start: float | None = None) -> list[float]:
+                calibration: Calibration) -> list[float]:
         """The chance each drafted token is accepted: the drafter's own confidence where it has
         one (read through its calibration), else the global per-position rate; either scaled by
         how this slot's record compares with what the drafter's record predicted (for rates,
@@ -309,15 +331,13 @@ class SlotRecord:
         request that copies text from its prompt has its drafts right far more often than the
         drafter's confidence bands say over all requests; the slot's record finds that out
         within a few verifications (Gemma 3's first agentic request drafted two tokens a step,
-        each right, for most of its answer while the bands caught up). ``start``: the acceptance
-        the slot's record of rates starts from, worth PRIOR_WEIGHT observations (the drafter's
-        record if None)."""
+        each right, for most of its answer while the bands caught up). Rates are read this way
+        only until earlier requests say what kinds of request there are (EarlierRequests)."""
         if confidence is not None:
             shift = (self.stated_accepted + PRIOR_WEIGHT) / (self.stated_expected + PRIOR_WEIGHT)
             return [_bounded(calibration.chance(c) * shift) for c in confidence[:max_len]]
         overall = record.overall()
-        start = overall if start is None else start
-        own = (self.accepted + PRIOR_WEIGHT * start) / (self.compared + PRIOR_WEIGHT)
+        own = (self.accepted + PRIOR_WEIGHT * overall) / (self.compared + PRIOR_WEIGHT)
         shift = own / max(overall, 1e-6)
         return [_bounded(record.rate(i) * shift) for i in range(max_len)]
 
@@ -421,8 +441,9 @@ class SpeculationPolicy:
             return Choice(drafter, 0, 0.0)  # on a tiny target the full choice is a tenth of a step
         stated = confidence[:max_len] if confidence is not None else None
         record = self.record(drafter)
-        start = self.earlier.expected(slot.accepted, slot.compared) if stated is None else None
-        chances = slot.chances(max_len, record, stated, self.calibration(drafter), start)
+        chances = self.earlier.chances(slot.accepted, slot.compared, max_len) if stated is None else None
+        if chances is None:
+            chances = slot.chances(max_len, record, stated, self.calibration(drafter))
         k, value = self._best_length(chances, n_generating, draft_model=draft_model)
         if confidence is None and k == 0:
             slot.declined[drafter] = (max_len, n_generating)
