@@ -577,6 +577,21 @@ def test_a_slot_right_more_often_than_any_earlier_request_finds_out() -> None:
     assert after is not None and after[0] > 0.85
 
 
+# LFM2-1.2B F16 here (scenario 4): a pass by its width, as multiples of a one-token pass, at the
+# warm-up (with the one-token pass and a rollback, in seconds) and later in the same hour.
+_WARMUP = ({1: 1.0, 2: 1.25, 3: 1.37, 4: 1.36, 5: 1.51, 6: 1.6, 7: 2.09, 8: 2.1, 9: 2.2}, 0.075, 0.06)
+_LATER = ({1: 1.0, 2: 1.39, 3: 1.55, 4: 1.71, 5: 1.87, 6: 1.95, 7: 2.52, 8: 2.82, 9: 2.74}, 0.054, 0.08)
+
+
+def _warmed_up_policy(rollback_costs: bool) -> SpeculationPolicy:
+    """A hybrid target's policy with the _WARMUP costs."""
+    widths, step, rollback = _WARMUP
+    policy = SpeculationPolicy(hybrid=True, rollback_costs=rollback_costs)
+    policy.costs.calibrated([step], {n: [m] for n, m in widths.items() if n > 1})
+    policy.costs.rollback = rollback
+    return policy
+
+
 def test_a_slot_at_high_acceptance_after_mixed_requests_drafts_the_longest_draft_soon() -> None:
     """Scenario 4 with checkpoint + replay: requests right 30%, 60% and 90% of the time came
     before. A request whose drafts are right 90% of the time must reach eight-token drafts
@@ -584,10 +599,7 @@ def test_a_slot_at_high_acceptance_after_mixed_requests_drafts_the_longest_draft
     LFM2-1.2B F16 here, a rollback most of a step)."""
     prompt, text = list(range(10)), list(range(100, 400))
     for seed in range(10):
-        policy = SpeculationPolicy(hybrid=True, rollback_costs=True)
-        policy.costs.calibrated([0.075], {2: [1.25], 3: [1.37], 4: [1.36], 5: [1.51], 6: [1.6], 7: [2.09],
-                                          8: [2.1], 9: [2.2]})
-        policy.costs.rollback = 0.06
+        policy = _warmed_up_policy(rollback_costs=True)
         for alpha in (0.3, 0.6, 0.9) * 4:
             policy.finished(SlotRecord(accepted=alpha * 60, compared=60))
         oracle = OracleDrafter(alpha=0.9, seed=seed)
@@ -595,12 +607,6 @@ def test_a_slot_at_high_acceptance_after_mixed_requests_drafts_the_longest_draft
         seen = _generate(Speculator({SpecMode.NGRAM: oracle}, policy), prompt + text,  # type: ignore[dict-item]
                          len(prompt) + 1, 10)
         assert any(p is not None and len(p.tokens) == 8 for p in seen[:4]), (seed, seen)
-
-
-# LFM2-1.2B F16 here (scenario 4): a pass by its width, as multiples of a one-token pass, at the
-# warm-up (with the one-token pass and a rollback, in seconds) and later in the same hour.
-_WARMUP = ({1: 1.0, 2: 1.25, 3: 1.37, 4: 1.36, 5: 1.51, 6: 1.6, 7: 2.09, 8: 2.1, 9: 2.2}, 0.075, 0.06)
-_LATER = ({1: 1.0, 2: 1.39, 3: 1.55, 4: 1.71, 5: 1.87, 6: 1.95, 7: 2.52, 8: 2.82, 9: 2.74}, 0.054, 0.08)
 
 
 def _modelled_rate(spec: Speculator, mode: SpecMode, alpha: float, seed: int, seq: int, text: list[int],
@@ -639,10 +645,7 @@ def test_auto_is_never_much_slower_than_plain_or_fixed_drafts_at_any_acceptance(
     of the better of the two, pair by pair in the median, at every α (the mean rate scaled by
     the drafter's per-position record read 0.93 at α = 0.9 with checkpoint + replay, as the
     bench did: 0.92x in b46)."""
-    widths, step, rollback = _WARMUP
-    policy = SpeculationPolicy(hybrid=True, rollback_costs=rollback_costs)
-    policy.costs.calibrated([step], {n: [m] for n, m in widths.items() if n > 1})
-    policy.costs.rollback = rollback
+    policy = _warmed_up_policy(rollback_costs)
     prompt, text = list(range(40)), list(range(1000, 1100))
     oracle = OracleDrafter()
     oracle.add_reference(prompt, text)
