@@ -19,6 +19,7 @@ from hyspec.draft_policy import (
     Acceptance,
     Calibration,
     Costs,
+    EarlierRequests,
     SlotRecord,
     SpeculationPolicy,
     best_length,
@@ -564,6 +565,23 @@ def test_a_draft_of_a_mixed_record_is_likelier_right_deep_in_it() -> None:
     assert all(b > a for a, b in itertools.pairwise(chances)) and chances[-1] > 0.85
     seen = policy.earlier.chances(10, 10, 8)  # ten right of ten: a 90% request
     assert seen is not None and all(c > 0.88 for c in seen)
+
+
+def test_the_mixture_is_worked_out_again_once_another_request_finished() -> None:
+    """The mixture's answers are remembered by the slot's counts until a request finishes."""
+    earlier = EarlierRequests()
+    for _ in range(EARLIER_REQUESTS_NEEDED):
+        earlier.finished(18, 60)
+    before = earlier.chances(0, 0, 4)
+    assert before is not None and earlier.chances(0, 0, 4) == before
+    assert before[0] == pytest.approx((EARLIER_REQUESTS_NEEDED * 0.3 + 0.5) / (EARLIER_REQUESTS_NEEDED + 1))
+    before[0] = 1.0  # the caller's copy
+    assert earlier.chances(0, 0, 4) != before
+    earlier.finished(60, 60)
+    after = earlier.chances(0, 0, 4)
+    assert after is not None
+    kinds = EARLIER_REQUESTS_NEEDED + 1
+    assert after[0] == pytest.approx((EARLIER_REQUESTS_NEEDED * 0.3 + MAX_ACCEPTANCE + 0.5) / (kinds + 1))
 
 
 def test_a_slot_right_more_often_than_any_earlier_request_finds_out() -> None:

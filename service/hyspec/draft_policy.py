@@ -51,6 +51,7 @@ PRIOR_WEIGHT = 4.0
 EARLIER_REQUESTS_NEEDED = 3
 EARLIER_REQUESTS_KEPT = 32  # the latest finished requests it keeps
 EARLIER_MIN_COMPARED = 8  # a request that compared fewer tokens says too little to count
+KNOWN_CHANCES_KEPT = 256  # EarlierRequests' remembered answers (busy slots' counts) at most
 MAX_ACCEPTANCE = 0.98  # no estimate is ever certain
 CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of stated confidence
 CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
@@ -268,12 +269,17 @@ class EarlierRequests:
     # Each request's rate with the logarithms of it and of its complement, taken once: a slot's
     # choice weighs every kept request each step.
     rates: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=EARLIER_REQUESTS_KEPT))
+    # chances() by a slot's counts and length, until the next request finishes: a slot's counts
+    # stay put while the suffix drafter drafts for it, and `auto` weighs the draft model every
+    # step (the mixture takes ~25 us; a tiny target's step, ~2 ms).
+    _known: dict[tuple[float, float, int], list[float]] = field(default_factory=dict, repr=False)
 
     def finished(self, accepted: float, compared: float) -> None:
         """A request ended having compared ``compared`` tokens of such drafts, ``accepted`` right."""
         if compared >= EARLIER_MIN_COMPARED:
             rate = min(MAX_ACCEPTANCE, max(1.0 - MAX_ACCEPTANCE, accepted / compared))
             self.rates.append((rate, math.log(rate), math.log(1.0 - rate)))
+            self._known.clear()
 
     def chances(self, accepted: float, compared: float, max_len: int) -> list[float] | None:
         """The chance of each of ``max_len`` drafted tokens, given the ones before it were
@@ -288,6 +294,14 @@ class EarlierRequests:
         its whole draft far better, and drafted four or five tokens where eight paid."""
         if len(self.rates) < EARLIER_REQUESTS_NEEDED:
             return None
+        key = (accepted, compared, max_len)
+        if key not in self._known:
+            if len(self._known) >= KNOWN_CHANCES_KEPT:
+                self._known.clear()
+            self._known[key] = self._mixture(accepted, compared, max_len)
+        return list(self._known[key])
+
+    def _mixture(self, accepted: float, compared: float, max_len: int) -> list[float]:
         rejected = compared - accepted
         logs = [accepted * log_right + rejected * log_wrong for _, log_right, log_wrong in self.rates]
         logs.append(math.lgamma(accepted + 1) + math.lgamma(rejected + 1) - math.lgamma(compared + 2))  # any rate
