@@ -30,7 +30,7 @@ DRAFT_MODEL = "draft"
 CALIBRATION_ROUNDS = 3  # timings of each verify width at start-up (their median multiple of the step)
 CALIBRATION_ATTEMPTS = 4  # warm-up timings taken again while rounds disagree (calibrate)
 CALIBRATION_PAUSE = 1.0  # seconds before the second attempt, doubling after each
-CALIBRATION_SPREAD = 3.0  # the most two rounds of one width may differ by in a steady attempt
+CALIBRATION_SPREAD = 2.0  # the most a majority of one kind's timings may differ by in a steady attempt
 
 
 @dataclass
@@ -220,11 +220,11 @@ def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, pr
     token and a rollback, on sequence 0 of an idle context (cleared again), and how often the
     draft model agrees with the target on a short greedy run from ``prompt``.
 
-    Timings taken while something else seizes the cores are timed again after a pause, up to
-    CALIBRATION_ATTEMPTS times (the steadiest attempt is kept): a wide pass is re-timed only when
-    it is drafted, so a multiple read far too high is never corrected. A trained pair's worker
-    started while a test suite ran read a 2-token pass at 28 one-token ones and a 3-token pass at
-    0.1, and its n-gram mode drafted nothing in any of its requests."""
+    Timings whose rounds mostly disagree (something else seized the cores) are taken again after
+    a pause, up to CALIBRATION_ATTEMPTS times, and the steadiest attempt is kept: a wide pass is
+    timed again only when it is drafted, so a multiple read far too high is never corrected. A
+    trained pair's worker started while a test suite ran read a 2-token pass at 28 one-token ones
+    and a 3-token pass at 0.1, and its n-gram mode drafted nothing in any of its requests."""
     best: _Timings | None = None
     for attempt in range(CALIBRATION_ATTEMPTS):
         timings = _time_passes(ctx, rollback, prompt, max_width)
@@ -257,10 +257,16 @@ class _Timings:
 
     @property
     def spread(self) -> float:
-        """The largest ratio between two timings of one kind (one-token passes, or one width's
-        multiples): 1 when every round agrees."""
-        groups = [self.steps, *self.multiples.values()]
-        return max(max(g) / max(min(g), 1e-9) for g in groups if g)
+        """How far apart the timings of one kind (the one-token passes, or one width's
+        multiples) are where most of them agree: the tightest ratio that spans a majority of
+        them, the largest over the kinds. The medians kept stand for most rounds while it is
+        small; one pass held up by something else does not count (of three rounds, the two
+        nearest decide)."""
+        def tightest_majority(group: list[float]) -> float:
+            ordered, k = sorted(group), len(group) // 2 + 1
+            return min(ordered[i + k - 1] / max(ordered[i], 1e-9) for i in range(len(ordered) - k + 1))
+
+        return max(tightest_majority(g) for g in (self.steps, *self.multiples.values()) if g)
 
 
 def _time_passes(ctx: Context, rollback: SeqRollback, prompt: list[int], max_width: int) -> _Timings:
