@@ -12,6 +12,7 @@ request is not the one that pays for learning them.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -226,15 +227,17 @@ def calibrate(ctx: Context, policy: SpeculationPolicy, rollback: SeqRollback, pr
     trained pair's worker started while a test suite ran read a 2-token pass at 28 one-token ones
     and a 3-token pass at 0.1, and its n-gram mode drafted nothing in any of its requests."""
     best: _Timings | None = None
+    best_spread = math.inf
     for attempt in range(CALIBRATION_ATTEMPTS):
         timings = _time_passes(ctx, rollback, prompt, max_width)
-        if best is None or timings.spread < best.spread:
-            best = timings
-        if timings.spread <= CALIBRATION_SPREAD:
+        spread = timings.spread()
+        if spread < best_spread:
+            best, best_spread = timings, spread
+        if spread <= CALIBRATION_SPREAD:
             break
         last = attempt + 1 == CALIBRATION_ATTEMPTS
         log.warning("warm-up timings vary %.1fx between rounds (attempt %d of %d): something else is busy; %s",
-                    timings.spread, attempt + 1, CALIBRATION_ATTEMPTS,
+                    spread, attempt + 1, CALIBRATION_ATTEMPTS,
                     "keeping the steadiest attempt" if last else "timing again")
         if not last:
             time.sleep(CALIBRATION_PAUSE * 2 ** attempt)  # a busy spell may pass
@@ -255,7 +258,6 @@ class _Timings:
     rollbacks: list[float]
     greedy: list[int]  # the target's greedy run from the prompt
 
-    @property
     def spread(self) -> float:
         """How far apart the timings of one kind (the one-token passes, or one width's
         multiples) are where most of them agree: the tightest ratio that spans a majority of
