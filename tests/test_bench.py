@@ -76,11 +76,13 @@ def test_both_sides_ran_alternating_pairs(quick_report: tuple[dict[str, Any], st
             if r["number"] == 11:
                 expected = expected | {"hyspec ngram"}
             assert set(r["sides"]) == expected, r["name"]
-            # The trained pair's answers are twice the bench's length (a fast model, timed longer).
+            # The trained pair's answers are twice the bench's length, and its pairs twice as many
+            # (a fast model, timed longer).
             length = 2 * MAX_TOKENS if r["number"] == 11 else MAX_TOKENS
-            assert r["max_tokens"] == length, r["name"]
+            pairs = 2 * PAIRS if r["number"] == 11 else PAIRS
+            assert r["max_tokens"] == length and r["pairs"] == pairs, r["name"]
             for side in r["sides"].values():
-                assert len(side["runs"]) == PAIRS and side["peak_rss_kb"] > 0
+                assert len(side["runs"]) == pairs and side["peak_rss_kb"] > 0
             s = r["summary"]
             assert set(s["tokens_per_second"]) == {"hyspec", "llama-server", "ratio", "best_peer"}
             assert s["tokens_per_second"]["ratio"] is not None and s["ttft_ms"]["ratio"] is not None
@@ -154,6 +156,7 @@ def test_markdown_tables_and_same_tokens_column(quick_report: tuple[dict[str, An
     for title in ("scenario 4", "scenario 6", "scenario 7", "scenario 9", "scenario 10", "### Goals"):
         assert title in markdown
     assert f"scenario 11 kjv-target (trained) Q8_0 {2 * MAX_TOKENS} tokens; the others {MAX_TOKENS}." in markdown
+    assert f"scenario 11 kjv-target (trained) Q8_0 {2 * PAIRS} pairs; the others {PAIRS}." in markdown
     auto = next(line for line in lines if line.startswith("`α auto` rows"))
     assert ", checkpoint + replay α=0.6 " in auto  # each target named as in its table, rollback and all
 

@@ -235,12 +235,8 @@ def markdown(results: list[Result], summaries: list[dict[str, Any]], goals: list
                 "another order. tok/s is the decode rate after the first token, as each side reports it; "
                 "TTFT is hyspec's submit-to-first-token and llama-server's prompt time; rollbacks are "
                 "hyspec's (llama-server does not report them).", ""]
-        lengths = Counter(r.max_tokens for r, _ in versus if not r.error)
-        if len(lengths) > 1:
-            usual = lengths.most_common(1)[0][0]
-            out += ["Answers of their own length (a fast model's short answer times the machine's hiccups): " +
-                    ", ".join(f"scenario {r.number} {r.target} {r.max_tokens} tokens" for r, _ in versus
-                              if not r.error and r.max_tokens != usual) + f"; the others {usual}.", ""]
+        out += _own_numbers(versus, "max_tokens", "Answers of their own length", "tokens")
+        out += _own_numbers(versus, "pairs", "Pairs of their own number", "pairs")
         many = [(r, s) for r, s in versus if not r.error and len(r.sides) > 2]
         if many:
             out += ["Every setting of the speculative scenarios:", ""]
@@ -385,3 +381,16 @@ def to_json(results: list[Result], summaries: list[dict[str, Any]]) -> list[dict
         item["summary"] = s
         out.append(item)
     return out
+
+
+def _own_numbers(versus: list[tuple[Result, dict[str, Any]]], attr: str, title: str, unit: str) -> list[str]:
+    """A line naming the scenarios whose ``attr`` is not the usual one (a fast model's short
+    request times the machine's hiccups), or nothing."""
+    counts = Counter(getattr(r, attr) for r, _ in versus if not r.error)
+    if len(counts) < 2:
+        return []
+    usual = counts.most_common(1)[0][0]
+    odd = [f"scenario {r.number} {r.target} {getattr(r, attr)} {unit}" for r, _ in versus
+           if not r.error and getattr(r, attr) != usual]
+    return [f"{title} (a fast model's short request times the machine's hiccups): " + ", ".join(odd) +
+            f"; the others {usual}.", ""]

@@ -103,6 +103,7 @@ class Result:
     error: str | None = None
     retried: int = 0  # controlled-acceptance runs repeated after a near-tie took them off the reference
     max_tokens: int = 0  # each answer's length in a versus scenario (0: the others, which answer the bench's)
+    pairs: int = 0  # a versus scenario's measured pairs
 
 
 class _Checker:
@@ -226,8 +227,9 @@ class Runner:
                 return worker.run([prompt], spec=mode, draft_max=self.s.draft_max, **args)
 
             # Prompt 0 is the warm-up; pair i gets prompt i + 1 on every side.
-            prompts = self._agentic_prompts(sc, worker) if sc.agentic else \
-                [worker.tokenize(variant(sc.prompt, i)) for i in range(self.s.pairs + 1)]
+            pairs = result.pairs = sc.pair_scale * self.s.pairs
+            prompts = self._agentic_prompts(sc, worker, pairs) if sc.agentic else \
+                [worker.tokenize(variant(sc.prompt, i)) for i in range(pairs + 1)]
             result.prompt_tokens = len(prompts[0])
             args["max_tokens"] = result.max_tokens = min(
                 sc.answer_scale * self.s.max_tokens, self._ctx(sc.target) - max(len(p) for p in prompts) - 1)
@@ -236,13 +238,13 @@ class Runner:
             for peer in peers.values():
                 peer.run(prompts[:1], **args)
             order = [(HYSPEC, mode) for mode in hyspec] + [(LLAMA, name) for name in peers]
-            for i in range(self.s.pairs):
+            for i in range(pairs):
                 for who, setting in _shuffled(order, result, i):
                     if who == HYSPEC:
                         hyspec[setting].add(on_hyspec(prompts[i + 1], setting))
                     else:
                         llama[setting].add(peers[setting].run([prompts[i + 1]], **args))
-                progress(f"pair {i + 1}/{self.s.pairs}: " + ", ".join(
+                progress(f"pair {i + 1}/{pairs}: " + ", ".join(
                     f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
             for side in hyspec.values():
                 side.peak_rss_kb = worker.peak_rss_kb()
@@ -255,11 +257,11 @@ class Runner:
         check.verdict(result)
         return result
 
-    def _agentic_prompts(self, sc: Versus, worker: HyspecWorker) -> list[list[int]]:
+    def _agentic_prompts(self, sc: Versus, worker: HyspecWorker, pairs: int) -> list[list[int]]:
         """A chain of edits: request k asks to restate or edit answer k - 1 (its plain greedy
         run, so every side is sent the same prompts)."""
         prompts = [worker.tokenize(sc.prompt)]
-        for i in range(self.s.pairs):
+        for i in range(pairs):
             answer = worker.run(prompts[-1:], max_tokens=self.s.max_tokens, spec="off", draft_max=0).runs[0]
             edit = AGENTIC_EDITS[i % len(AGENTIC_EDITS)]
             prompts.append(worker.tokenize(edit.format(answer=worker.detokenize(answer.tokens))))
