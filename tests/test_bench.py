@@ -84,7 +84,8 @@ def test_both_sides_ran_alternating_pairs(quick_report: tuple[dict[str, Any], st
             for side in r["sides"].values():
                 assert len(side["runs"]) == pairs and side["peak_rss_kb"] > 0
             s = r["summary"]
-            assert set(s["tokens_per_second"]) == {"hyspec", "llama-server", "ratio", "best_peer"}
+            assert set(s["tokens_per_second"]) == {"hyspec", "llama-server", "ratio", "per_pair", "best_peer"}
+            assert len(s["tokens_per_second"]["per_pair"]) == pairs
             assert s["tokens_per_second"]["ratio"] is not None and s["ttft_ms"]["ratio"] is not None
             assert s["peak_rss_mb"]["ratio"] is not None
             assert set(s["settings"]) == expected
@@ -331,6 +332,27 @@ def test_ratios_are_taken_against_the_configuration_with_the_best_median() -> No
     # Per-pair maxima (12, 11, 10 and 10, 11, 10) would have read 0.83 and 0.91.
     assert s["auto"]["vs_best_fixed"] == pytest.approx(1.0)
     assert s["auto"]["vs_llama"] == pytest.approx(1.0)
+
+
+def test_goals_show_each_pair_against_the_goal() -> None:
+    """A median on either side of a goal says little when the pairs straddle it: the goal row
+    names the pairs' range and how many reached the goal."""
+    from hyspec.bench.report import goals, summarize
+    from hyspec.bench.runner import Result
+
+    r = Result("versus", 2, "n-gram", "t", "ngram", goal=1.0, sides={
+        "hyspec": _side([9.0, 10.0, 12.0, 10.0]),
+        "hyspec off": _side([5.0, 5.0, 5.0, 5.0]),
+        "hyspec auto": _side([9.0, 9.0, 11.0, 8.0]),
+        "llama-server ngram-mod": _side([10.0, 10.0, 10.0, 8.0]),
+    })
+    s = summarize(r)
+    assert s["tokens_per_second"]["per_pair"] == pytest.approx([0.9, 1.0, 1.2, 1.25])
+    rows = {g["goal"].split(": ")[-1]: g for g in goals([r], [s])}
+    versus = rows["hyspec ngram ÷ llama-server ngram-mod tok/s ≥ 1"]
+    assert versus["met"] is True and versus["measured"] == "1.10× (pairs 0.90–1.25, 3 of 4 ≥ 1)"
+    auto = rows["auto ÷ max(plain, fixed) ≥ 0.95"]  # against the fixed mode: 1.0, 0.9, 0.92, 0.8
+    assert auto["met"] is False and auto["measured"] == "0.91× (pairs 0.80–1.00, 1 of 4 ≥ 0.95)"
 
 
 def test_each_scenario_runs_its_pairs_in_orders_of_its_own() -> None:
