@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -550,6 +552,30 @@ def test_stub_describes_the_module() -> None:
         if isinstance(cls, ast.ClassDef) and cls.name in ("Model", "Context", "Sampler"):
             members = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("__")}
             assert members <= set(dir(getattr(N, cls.name))), cls.name
+
+
+def test_llama_cpp_loaded_by_someone_else_first_does_not_take_over_our_calls(tmp_path: Path) -> None:
+    """llama.cpp is linked into the extension; another copy the process loaded globally before it
+    (another package's libllama, a host application's) must not receive the extension's calls."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "a C compiler builds llama.cpp here, so one is on PATH"
+    source = tmp_path / "other_llama.c"
+    source.write_text("#include <stddef.h>\nsize_t llama_max_parallel_sequences(void) { return 7777; }\n")
+    other = tmp_path / "libother_llama.so"
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(other)], check=True)
+    script = textwrap.dedent(f"""
+        import ctypes
+        ctypes.CDLL({str(other)!r}, mode=ctypes.RTLD_GLOBAL)
+        from hyspec import _native
+        print(_native.max_parallel_sequences())
+    """)
+    seen = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert int(seen) == N.max_parallel_sequences() != 7777
+    if sys.platform == "linux":  # where the build hides them (GNU ld's --exclude-libs)
+        native = ctypes.CDLL(N.__file__)
+        assert hasattr(native, "PyInit__native")  # the module's own entry point is exported ...
+        for name in ("llama_decode", "llama_max_parallel_sequences", "ggml_init"):  # ... llama.cpp's are not
+            assert not hasattr(native, name), name
 
 
 @pytest.mark.parametrize("keep", [1, 3, 7])
