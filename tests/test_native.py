@@ -562,14 +562,15 @@ def test_llama_cpp_loaded_by_someone_else_first_does_not_take_over_our_calls(tmp
     source = tmp_path / "other_llama.c"
     source.write_text("#include <stddef.h>\nsize_t llama_max_parallel_sequences(void) { return 7777; }\n")
     other = tmp_path / "libother_llama.so"
-    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(other)], check=True)
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(other)], check=True, timeout=120)
     script = textwrap.dedent(f"""
         import ctypes
         ctypes.CDLL({str(other)!r}, mode=ctypes.RTLD_GLOBAL)
         from hyspec import _native
         print(_native.max_parallel_sequences())
     """)
-    seen = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    seen = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                          timeout=120).stdout
     assert int(seen) == N.max_parallel_sequences() != 7777
     if sys.platform == "linux":  # where the build hides them (GNU ld's --exclude-libs)
         native = ctypes.CDLL(N.__file__)
