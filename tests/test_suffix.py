@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hyspec.drafters import DraftItem
 from hyspec.drafters import suffix as suffix_module
-from hyspec.drafters.suffix import DEPTH, MAX_MATCH, MIN_MATCH, SuffixDrafter, SuffixTree
+from hyspec.drafters.suffix import DEPTH, LONG_MATCH, MAX_MATCH, MIN_MATCH, SuffixDrafter, SuffixTree
 
 # Small alphabets, so that matches, repeats and ties are common.
 streams = st.lists(st.integers(0, 4), min_size=0, max_size=60)
@@ -37,21 +37,57 @@ def _continuations(streams_: list[list[int]], pattern: list[int]) -> Counter:
     return found
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(streams, min_size=1, max_size=4), streams)
-def test_drafts_follow_the_most_frequent_continuation_of_the_longest_match(indexed: list[list[int]],
-                                                                            context: list[int]) -> None:
+@st.composite
+def indexed_and_context(draw: st.DrawFn) -> tuple[list[list[int]], list[int]]:
+    """Streams to index and a context to draft after, over two or five tokens. The streams are
+    random, or made of a few phrases repeated in different orders (as agentic requests restate
+    sentences of an answer), so that matches reach MAX_MATCH with competing continuations that a
+    longer context tells apart; the context is random, or a piece of an indexed stream after
+    text of its own."""
+    tokens = st.integers(0, draw(st.sampled_from([1, 4])))
+    text = st.lists(tokens, max_size=60)
+    if draw(st.booleans()):
+        indexed = draw(st.lists(text, min_size=1, max_size=4))
+    else:
+        phrases = draw(st.lists(st.lists(tokens, min_size=4, max_size=7), min_size=2, max_size=3))
+        indexed = [sum(draw(st.lists(st.sampled_from(phrases), min_size=4, max_size=10)), [])
+                   for _ in range(draw(st.integers(1, 4)))]
+    context = draw(text)
+    if draw(st.booleans()):
+        s = draw(st.sampled_from(indexed))
+        end = draw(st.integers(0, len(s)))
+        context = context[:6] + s[draw(st.integers(0, max(0, end - MAX_MATCH))):end]
+    return indexed, context
+
+
+@settings(max_examples=300, deadline=None)
+@given(indexed_and_context())
+def test_drafts_follow_the_most_frequent_continuation_of_the_longest_match(
+        case: tuple[list[list[int]], list[int]]) -> None:
+    indexed, context = case
     tree = SuffixTree()
     for s in indexed:
         tree.insert(s)
     draft = tree.draft(context, 1)
-    # Brute force: the longest suffix of the context (MIN..MAX_MATCH) that was ever continued.
+
+    def most_frequent(following: Counter) -> set[int]:
+        top = max(following.values())
+        return {t for t, c in following.items() if c == top}
+
+    # Brute force: the longest suffix of the context (MIN..MAX_MATCH) that was ever continued;
+    # where it was continued in more than one way, the longest suffix up to LONG_MATCH that was.
     for length in range(min(MAX_MATCH, len(context)), MIN_MATCH - 1, -1):
         following = _continuations(indexed, context[len(context) - length:])
         if following:
-            top = max(following.values())
-            assert draft.tokens and draft.tokens[0] in {t for t, c in following.items() if c == top}
-            share = (top + 0.5) / (sum(following.values()) + 1)
+            expected = most_frequent(following)
+            for longer in range(min(LONG_MATCH, len(context)), length, -1):
+                decider = _continuations(indexed, context[len(context) - longer:])
+                if len(following) > 1 and decider:
+                    expected = most_frequent(decider)
+                    break
+            assert draft.tokens and draft.tokens[0] in expected
+            # How sure: the shorter match's share of the token, whichever context picked it.
+            share = (following[draft.tokens[0]] + 0.5) / (sum(following.values()) + 1)
             assert draft.confidence == [pytest.approx((1 - 0.5 ** length) * share)]
             break
     else:
@@ -103,6 +139,24 @@ def test_an_ambiguous_match_is_decided_by_the_longer_context_and_drafting_goes_o
     ambiguous = short.draft(_words("It is the", vocab), 4)
     assert len(ambiguous.tokens) == 4 and ambiguous.confidence is not None
     assert ambiguous.confidence[0] < draft.confidence[0]  # type: ignore[index]
+
+
+def test_a_restated_answer_is_drafted_as_its_longer_context_went_on_not_as_most_texts_did() -> None:
+    """An agentic edit repeats an earlier answer whose sentence went on differently from most
+    texts with the same last MAX_MATCH tokens: the longer context (up to LONG_MATCH) decides."""
+    shared = list(range(100, 100 + MAX_MATCH))
+    usual, restated = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
+    assert MAX_MATCH + len(restated) <= LONG_MATCH < DEPTH
+    tree = SuffixTree()
+    for text in (usual + shared + [50, 51], usual + shared + [50, 51], restated + shared + [60, 61]):
+        tree.insert(text)
+    draft = tree.draft(restated + shared, 2)
+    assert draft.tokens == [60, 61]
+    # Its confidence is the MAX_MATCH context's share of 60 (one of three): a long context
+    # seen once decides the branch but does not make it sure.
+    assert draft.confidence is not None and draft.confidence[0] == pytest.approx((1 - 0.5 ** MAX_MATCH) * 1.5 / 4)
+    assert tree.draft(usual + shared, 1).tokens == [50]
+    assert tree.draft([99] + shared, 1).tokens == [50]  # no longer context known: the frequent one
 
 
 def test_a_repeating_pattern_is_drafted_past_the_end_of_the_history() -> None:

@@ -7,10 +7,11 @@ and emptied oldest request first. A draft starts at the node of the longest suff
 history (up to ``MAX_MATCH`` tokens) that the index holds with a continuation, follows the most
 frequent child at each step, and gives each token a confidence: the share of the occurrences
 that went on with it, discounted for short matches. Where two continuations compete ("It is
-the" -> capital / largest) the longest matching context decides, and drafting goes on with the
-lower confidence instead of stopping; the speculation policy picks the length from those
-confidences. Work per step: O(MAX_MATCH^2) lookups to match, O(1) per drafted token, O(DEPTH)
-per new history token; nothing ever walks the whole history.
+the" -> capital / largest) the longest context the index holds (up to ``LONG_MATCH`` tokens)
+picks one, and drafting goes on with the shorter match's lower confidence instead of stopping;
+the speculation policy picks the length from those confidences. Work per step: O(MAX_MATCH^2)
+lookups to match, O(1) per drafted token plus O(LONG_MATCH^2) at a competition, O(DEPTH) per
+new history token; nothing ever walks the whole history.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from dataclasses import dataclass, field
 from hyspec.draft_policy import expected_gain
 from hyspec.drafters import Draft, DraftItem
 
-DEPTH = 16  # the longest path indexed: a match plus the continuation it can draft
+DEPTH = 20  # the longest path indexed: a match plus the continuation it can draft
 MAX_MATCH = 10
 MIN_MATCH = 2
+# Competing continuations are decided by up to this much context: an earlier occurrence of a
+# long context can be a request restating an earlier answer (llama-server's ngram-mod keys its
+# table by 24 tokens). Not a longer MAX_MATCH: its single occurrences draft worse on prose.
+LONG_MATCH = 16
 PROMPT_TAIL = 8  # of each earlier request's prompt, indexed with its output (matches across the boundary)
 
 
@@ -99,10 +104,11 @@ class SuffixTree:
                     node.best = max(node.children, key=lambda t: node.children[t].count)
                 node = child
 
-    def match(self, context: list[int]) -> tuple[_Node, int] | None:
-        """The node of the longest suffix of ``context`` (MIN_MATCH..MAX_MATCH tokens) that
+    def match(self, context: list[int], longest: int = MAX_MATCH,
+              shortest: int = MIN_MATCH) -> tuple[_Node, int] | None:
+        """The node of the longest suffix of ``context`` (``shortest``..``longest`` tokens) that
         has occurred with a continuation, and its length."""
-        for length in range(min(MAX_MATCH, len(context)), MIN_MATCH - 1, -1):
+        for length in range(min(longest, len(context)), shortest - 1, -1):
             node: _Node | None = self.root
             for token in context[len(context) - length:]:
                 node = node.children.get(token)  # type: ignore[union-attr]
@@ -119,15 +125,20 @@ class SuffixTree:
         found = self.match(history)
         while found is not None and len(tokens) < max_len:
             node, length = found
-            trust = 1.0 - 0.5 ** length  # a short match says less about what follows
             while node.cont > 0 and len(tokens) < max_len:
-                child = node.children[node.best]
-                tokens.append(node.best)
-                # Smoothed: a continuation seen once is likely, not certain.
-                confidence.append(trust * (child.count + 0.5) / (node.cont + 1))
-                node = child
+                shorter, shorter_length = node, length
+                if len(node.children) > 1 and length < LONG_MATCH:
+                    longer = self.match(history[-LONG_MATCH:] + tokens, LONG_MATCH, length + 1)
+                    if longer is not None:
+                        node, length = longer
+                token = node.best
+                # The shorter match's share of it, smoothed (a continuation seen once is likely,
+                # not certain) and discounted for a short match, which says less about what follows.
+                share = (shorter.children[token].count + 0.5) / (shorter.cont + 1)
+                confidence.append((1.0 - 0.5 ** shorter_length) * share)
+                tokens.append(token)
+                node = node.children[token]
                 length += 1
-                trust = 1.0 - 0.5 ** length
             if len(tokens) < max_len:  # the indexed depth ran out: match again, draft included
                 found = self.match(history[-MAX_MATCH:] + tokens)
         return Draft(tokens, confidence)
