@@ -26,17 +26,15 @@ def _dump(tree: SuffixTree) -> dict:
     return walk(tree.root)
 
 
-def _continuations(streams_: list[list[int]], pattern: list[int]) -> Counter:
-    """What followed ``pattern`` in the streams, by brute force (paths no longer than DEPTH)."""
-    found: Counter = Counter()
-    n = len(pattern)
-    if n + 1 > DEPTH:
-        return found
+def _continuations(streams_: list[list[int]]) -> Callable[[list[int]], Counter]:
+    """What followed each pattern in the streams, counted by brute force at every position
+    (paths no longer than DEPTH), as a lookup from a pattern."""
+    table: dict[tuple[int, ...], Counter] = defaultdict(Counter)
     for s in streams_:
-        for i in range(len(s) - n):
-            if s[i:i + n] == pattern:
-                found[s[i + n]] += 1
-    return found
+        for i in range(len(s)):
+            for n in range(min(i, DEPTH - 1) + 1):
+                table[tuple(s[i - n:i])][s[i]] += 1
+    return lambda pattern: table.get(tuple(pattern), Counter())
 
 
 def _most_frequent(following: Counter) -> set[int]:
@@ -76,11 +74,7 @@ def test_drafts_follow_the_most_frequent_continuation_of_the_longest_match(index
     tree = SuffixTree()
     for s in indexed:
         tree.insert(s)
-    _check_first_token(tree, context, lambda pattern: _continuations(indexed, pattern))
-
-
-def _lookup(table: dict[tuple[int, ...], Counter]) -> Callable[[list[int]], Counter]:
-    return lambda pattern: table.get(tuple(pattern), Counter())
+    _check_first_token(tree, context, _continuations(indexed))
 
 
 def test_where_the_longest_match_went_on_in_several_ways_the_longest_context_picks() -> None:
@@ -94,13 +88,9 @@ def test_where_the_longest_match_went_on_in_several_ways_the_longest_context_pic
         phrases = [[rnd.randint(0, top) for _ in range(rnd.randint(4, 7))] for _ in range(rnd.randint(2, 3))]
         indexed = [sum((rnd.choice(phrases) for _ in range(rnd.randint(4, 10))), []) for _ in range(rnd.randint(2, 4))]
         tree = SuffixTree()
-        table: dict[tuple[int, ...], Counter] = defaultdict(Counter)
         for s in indexed:
             tree.insert(s)
-            for i in range(len(s)):
-                for n in range(min(i, DEPTH - 1) + 1):
-                    table[tuple(s[i - n:i])][s[i]] += 1
-        continued = _lookup(table)
+        continued = _continuations(indexed)
         for s in indexed:
             for end in range(len(s) + 1):
                 overruled += _check_first_token(tree, s[:end], continued)
