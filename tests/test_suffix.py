@@ -20,9 +20,17 @@ from hyspec.drafters.suffix import DEPTH, LONG_MATCH, MAX_MATCH, MIN_MATCH, Suff
 streams = st.lists(st.integers(0, 4), min_size=0, max_size=60)
 
 
+def _children(node: Any) -> list[tuple[int, Any]]:
+    """A node's children, or a tail's one (the next token of its stream)."""
+    if hasattr(node, "children"):
+        return list(node.children.items())
+    return [(node.best, node.child(node.best))] if node.cont else []
+
+
 def _dump(tree: SuffixTree) -> dict:
+    """Every path with its count, tails read out as the paths they stand for."""
     def walk(node: Any) -> dict:
-        return {t: (c.count, walk(c)) for t, c in node.children.items()}
+        return {t: (c.count, c.cont, walk(c)) for t, c in _children(node)}
     return walk(tree.root)
 
 
@@ -109,14 +117,23 @@ def test_removing_a_stream_leaves_the_tree_of_the_others(kept: list[list[int]], 
         mixed.remove(s)
     for s in kept:
         alone.insert(s)
-    assert _dump(mixed) == _dump(alone) and mixed.nodes == alone.nodes
+    assert _dump(mixed) == _dump(alone)
+    # What is stored is what the kept streams reach: nodes left with one occurrence stay nodes,
+    # so the mixed tree stores at most what a tree of DEPTH nodes per token would.
+    assert mixed.nodes + mixed.tails <= _paths(_dump(alone))
+    assert mixed.tails + mixed.nodes >= alone.tails + alone.nodes
     # The cached best child is the most frequent one everywhere.
-    stack = [mixed.root]
+    stack: list[Any] = [mixed.root]
     while stack:
         node = stack.pop()
-        if node.children:
-            assert node.children[node.best].count == max(c.count for c in node.children.values())
-        stack.extend(node.children.values())
+        children = _children(node)
+        if children:
+            assert node.child(node.best).count == max(c.count for _, c in children)
+        stack.extend(c for _, c in children)
+
+
+def _paths(dump: dict) -> int:
+    return sum(1 + _paths(below) for _, _, below in dump.values())
 
 
 def _words(text: str, vocab: dict[str, int]) -> list[int]:
@@ -198,6 +215,32 @@ def test_a_request_leaves_the_tokens_of_its_last_step_in_the_shared_index_too() 
     assert other.propose([DraftItem(1, [9] + answer[10:15], 4, 1)])[0].tokens == []
 
 
+def test_text_that_occurred_once_costs_a_tail_per_token_not_a_node_per_depth() -> None:
+    """A long prompt of text that does not repeat (most of a prose prompt's paths past a few
+    tokens) is indexed as places in the prompt: a tree of nodes all the way down held DEPTH
+    of them per token (~27 MB for 4,096 tokens). Repeated text still gets its nodes."""
+    prompt = [(i * 104729) % 50_000 for i in range(4096)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        drafter = SuffixDrafter()
+        drafter.propose([DraftItem(0, prompt, 8, len(prompt))])
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    tree = drafter._requests[0].tree
+    assert (tree.nodes, tree.tails) == (0, len(prompt))
+    held = sum(stat.size_diff for stat in after.compare_to(before, "filename")
+               if stat.traceback[0].filename == suffix_module.__file__)
+    assert held <= 300 * len(prompt), held
+    assert drafter.bytes_used >= held * 0.8  # the bound counts what is held
+    # The prompt restated: every path of it now occurred twice (nodes, DEPTH deep), and the
+    # restatement drafts the prompt's continuation.
+    drafter.propose([DraftItem(0, prompt + prompt[:100], 8, len(prompt))])
+    assert tree.nodes == sum(100 - n + 1 for n in range(1, DEPTH + 1))  # each path within the 100 tokens
+    assert drafter.propose([DraftItem(0, prompt + prompt[:100], 8, len(prompt))])[0].tokens == prompt[100:108]
+
+
 def test_the_shared_index_stays_within_its_bound_oldest_requests_leaving_first() -> None:
     budget = 2 << 20
     tracemalloc.start()
@@ -225,7 +268,8 @@ def test_the_shared_index_stays_within_its_bound_oldest_requests_leaving_first()
 def test_work_per_step_does_not_grow_with_the_history(monkeypatch: pytest.MonkeyPatch) -> None:
     appended: list[int] = []
     original = SuffixTree.append
-    monkeypatch.setattr(SuffixTree, "append", lambda self, token: (appended.append(token), original(self, token)))
+    monkeypatch.setattr(SuffixTree, "append",
+                        lambda self, stream, index: (appended.append(stream[index]), original(self, stream, index)))
     lookups = []
 
     class CountingDict(dict):
@@ -246,6 +290,6 @@ def test_work_per_step_does_not_grow_with_the_history(monkeypatch: pytest.Monkey
     while stack:
         node = stack.pop()
         node.children = CountingDict(node.children)
-        stack.extend(node.children.values())
+        stack.extend(c for c in node.children.values() if hasattr(c, "children"))
     tree.draft([*history, 5, 6], 8)
     assert len(lookups) <= MAX_MATCH * (MAX_MATCH + 1) // 2 * 2

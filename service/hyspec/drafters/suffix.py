@@ -1,17 +1,18 @@
 """Suffix drafting (as in SuffixDecoding, Oliaro et al. 2025): no model, just what followed.
 
 Two indexes of the same kind, a suffix tree cut at ``DEPTH`` tokens whose every node counts how
-often its path occurred: one per request over its prompt and output so far, and one shared by
-all slots over earlier requests (their prompt's last tokens and their output), bounded in bytes
-and emptied oldest request first. A draft starts at the node of the longest suffix of the
-history (up to ``MAX_MATCH`` tokens) that the index holds with a continuation, follows the most
-frequent child at each step, and gives each token a confidence: the share of the occurrences
-that went on with it, discounted for short matches. Where two continuations compete ("It is
-the" -> capital / largest) the longest context the index holds (up to ``LONG_MATCH`` tokens)
-picks one, and drafting goes on with the shorter match's lower confidence instead of stopping;
-the speculation policy picks the length from those confidences. Work per step: O(MAX_MATCH^2)
-lookups to match, O(1) per drafted token plus O(LONG_MATCH^2) at a competition, O(DEPTH) per
-new history token; nothing ever walks the whole history.
+often its path occurred (a path that occurred once is kept as its place in the text): one per
+request over its prompt and output so far, and one shared by all slots over earlier requests
+(their prompt's last tokens and their output), bounded in bytes and emptied oldest request
+first. A draft starts at the node of the longest suffix of the history (up to ``MAX_MATCH``
+tokens) that the index holds with a continuation, follows the most frequent child at each step,
+and gives each token a confidence: the share of the occurrences that went on with it, discounted
+for short matches. Where two continuations compete ("It is the" -> capital / largest) the
+longest context the index holds (up to ``LONG_MATCH`` tokens) picks one, and drafting goes on
+with the shorter match's lower confidence instead of stopping; the speculation policy picks the
+length from those confidences. Work per step: O(MAX_MATCH^2) lookups to match, O(1) per drafted
+token plus O(LONG_MATCH^2) at a competition, at most O(DEPTH) per new history token (one per
+repeated suffix); nothing ever walks the whole history.
 """
 
 from __future__ import annotations
@@ -34,84 +35,167 @@ PROMPT_TAIL = 8  # of each earlier request's prompt, indexed with its output (ma
 
 
 class _Node:
+    """A path that occurred more than once (or the root, or one whose other occurrences left)."""
+
     __slots__ = ("best", "children", "count", "cont")
 
-    def __init__(self) -> None:
-        self.count = 0  # occurrences of the path ending here
+    def __init__(self, count: int = 0) -> None:
+        self.count = count  # occurrences of the path ending here
         self.cont = 0  # of those, how many went on (the children's counts summed)
-        self.children: dict[int, _Node] = {}
+        self.children: dict[int, _Node | _Tail] = {}
         self.best = -1  # the most frequent child's token
 
+    @property
+    def branches(self) -> int:
+        return len(self.children)
 
-def _measure_node_bytes() -> int:
-    """What one more node costs: the object, its (small) dict and its slot in the parent's dict."""
+    def child(self, token: int) -> _Node | _Tail | None:
+        return self.children.get(token)
+
+
+class _Tail:
+    """A path that occurred once: it ends at ``stream[index]`` and what follows it is the rest of
+    that stream (up to DEPTH), so nothing below it is stored. Prose repeats few paths longer than
+    a few tokens, and a tree of nodes all the way down held DEPTH nodes per token (~27 MB for a
+    4,096-token prompt); a second occurrence turns the tail into a node (``SuffixTree._split``)."""
+
+    __slots__ = ("depth", "index", "stream")
+    count = 1
+
+    def __init__(self, stream: list[int], index: int, depth: int) -> None:
+        self.stream = stream  # read, never changed: a request's growing history, or a kept stream
+        self.index = index
+        self.depth = depth
+
+    @property
+    def cont(self) -> int:
+        return int(self.depth < DEPTH and self.index + 1 < len(self.stream))
+
+    @property
+    def best(self) -> int:
+        return self.stream[self.index + 1] if self.cont else -1
+
+    @property
+    def branches(self) -> int:
+        return self.cont
+
+    def child(self, token: int) -> _Tail | None:
+        if self.cont and self.stream[self.index + 1] == token:
+            return _Tail(self.stream, self.index + 1, self.depth + 1)
+        return None
+
+
+def _measure_bytes() -> tuple[int, int]:
+    """What one more node and one more tail cost: the object, a node's (small) dict, and the
+    slot in the parent's dict."""
     node, parent = _Node(), _Node()
     node.children[1 << 20] = _Node()
     parent.children[1 << 21] = node
-    per_entry = (sys.getsizeof({i: None for i in range(8)}) - sys.getsizeof({})) // 8
-    return sys.getsizeof(node) + sys.getsizeof(node.children) + per_entry + sys.getsizeof(1 << 20)
+    per_entry = (sys.getsizeof({i: None for i in range(8)}) - sys.getsizeof({})) // 8 + sys.getsizeof(1 << 20)
+    tail = _Tail([], 0, 1)
+    return sys.getsizeof(node) + sys.getsizeof(node.children) + per_entry, sys.getsizeof(tail) + per_entry
 
 
-NODE_BYTES = _measure_node_bytes()
+NODE_BYTES, TAIL_BYTES = _measure_bytes()
+TOKEN_BYTES = 8 + sys.getsizeof(1 << 20)  # a stream's slot and the int it holds (tails read the streams)
 
 
 class SuffixTree:
-    """Counted suffix tree of token streams, each path at most ``DEPTH`` tokens."""
+    """Counted suffix tree of token streams, each path at most ``DEPTH`` tokens; a path that
+    occurred once is a tail (a place in its stream), not a chain of nodes."""
 
     def __init__(self) -> None:
         self.root = _Node()
         self.nodes = 0
-        self._open: list[tuple[_Node, int]] = []  # the paths the stream's next token extends
+        self.tails = 0
+        self._open: list[tuple[_Node, int]] = []  # the node paths the stream's next token extends
 
-    def append(self, token: int) -> None:
-        """The stream goes on by ``token``: every suffix of its last DEPTH - 1 tokens extends."""
+    @property
+    def bytes(self) -> int:
+        return NODE_BYTES * self.nodes + TAIL_BYTES * self.tails
+
+    def append(self, stream: list[int], index: int) -> None:
+        """The stream goes on by ``stream[index]`` (its tokens before it are indexed): every
+        suffix of its last DEPTH - 1 tokens extends. Suffixes that occurred once extend by
+        themselves (their tail reads the stream), so only node paths are open."""
+        token = stream[index]
         still_open: list[tuple[_Node, int]] = []
         for node, depth in [*self._open, (self.root, 0)]:
             child = node.children.get(token)
             if child is None:
-                child = node.children[token] = _Node()
-                self.nodes += 1
-            child.count += 1
+                child = node.children[token] = _Tail(stream, index, depth + 1)
+                self.tails += 1
+            else:
+                if isinstance(child, _Tail):
+                    child = node.children[token] = self._split(child)
+                child.count += 1
             node.cont += 1
             if node.best < 0 or child.count > node.children[node.best].count:
                 node.best = token
-            if depth + 1 < DEPTH:
+            if isinstance(child, _Node) and depth + 1 < DEPTH:
                 still_open.append((child, depth + 1))
         self._open = still_open
+
+    def _split(self, tail: _Tail) -> _Node:
+        """A node for the path that ``tail``'s occurrence had alone (the caller counts the
+        new one); that occurrence goes on below it as a tail. Its next token is always known
+        by then: an earlier occurrence in the same stream ends before the new one does."""
+        node = _Node(count=1)
+        self.nodes += 1
+        self.tails -= 1
+        if tail.cont:
+            node.best = tail.best
+            node.children[node.best] = _Tail(tail.stream, tail.index + 1, tail.depth + 1)
+            node.cont = 1
+            self.tails += 1
+        return node
 
     def end_stream(self) -> None:
         self._open = []
 
-    def insert(self, tokens: list[int]) -> None:
-        for token in tokens:
-            self.append(token)
+    def insert(self, stream: list[int]) -> None:
+        """Index a whole stream, which must not change while it is indexed (tails read it)."""
+        for index in range(len(stream)):
+            self.append(stream, index)
         self.end_stream()
 
-    def remove(self, tokens: list[int]) -> None:
-        """Undo ``insert(tokens)``: counts go down, nodes no occurrence reaches any more go."""
-        for start in range(len(tokens)):
+    def remove(self, stream: list[int]) -> None:
+        """Undo ``insert(stream)``: counts go down, what no occurrence reaches any more goes. A
+        node left with one occurrence stays a node (its stream is not known from it)."""
+        for start in range(len(stream)):
             node = self.root
-            for token in tokens[start:start + DEPTH]:
+            for token in stream[start:start + DEPTH]:
                 child = node.children[token]
-                child.count -= 1
                 node.cont -= 1
-                if child.count == 0:
-                    self.nodes -= _size(child)
+                if child.count == 1:  # this stream's occurrence alone: the rest of the path goes with it
                     del node.children[token]
+                    self._forget(child)
                     node.best = max(node.children, key=lambda t: node.children[t].count, default=-1)
                     break
+                assert isinstance(child, _Node)
+                child.count -= 1
                 if token == node.best:
                     node.best = max(node.children, key=lambda t: node.children[t].count)
                 node = child
 
+    def _forget(self, gone: _Node | _Tail) -> None:
+        stack = [gone]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, _Tail):
+                self.tails -= 1
+            else:
+                self.nodes -= 1
+                stack.extend(item.children.values())
+
     def match(self, context: list[int], longest: int = MAX_MATCH,
-              shortest: int = MIN_MATCH) -> tuple[_Node, int] | None:
+              shortest: int = MIN_MATCH) -> tuple[_Node | _Tail, int] | None:
         """The node of the longest suffix of ``context`` (``shortest``..``longest`` tokens) that
         has occurred with a continuation, and its length."""
         for length in range(min(longest, len(context)), shortest - 1, -1):
-            node: _Node | None = self.root
+            node: _Node | _Tail | None = self.root
             for token in context[len(context) - length:]:
-                node = node.children.get(token)  # type: ignore[union-attr]
+                node = node.child(token)  # type: ignore[union-attr]
                 if node is None:
                     break
             if node is not None and node.cont > 0:
@@ -127,25 +211,21 @@ class SuffixTree:
             node, length = found
             while node.cont > 0 and len(tokens) < max_len:
                 shorter, shorter_length = node, length
-                if len(node.children) > 1 and length < LONG_MATCH:
+                if node.branches > 1 and length < LONG_MATCH:
                     longer = self.match(history[-LONG_MATCH:] + tokens, LONG_MATCH, length + 1)
                     if longer is not None:
                         node, length = longer
                 token = node.best
                 # The shorter match's share of it, smoothed (a continuation seen once is likely,
                 # not certain) and discounted for a short match, which says less about what follows.
-                share = (shorter.children[token].count + 0.5) / (shorter.cont + 1)
+                share = (shorter.child(token).count + 0.5) / (shorter.cont + 1)  # type: ignore[union-attr]
                 confidence.append((1.0 - 0.5 ** shorter_length) * share)
                 tokens.append(token)
-                node = node.children[token]
+                node = node.child(token)  # type: ignore[assignment]
                 length += 1
             if len(tokens) < max_len:  # the indexed depth ran out: match again, draft included
                 found = self.match(history[-MAX_MATCH:] + tokens)
         return Draft(tokens, confidence)
-
-
-def _size(node: _Node) -> int:
-    return 1 + sum(_size(child) for child in node.children.values())
 
 
 @dataclass
@@ -154,6 +234,21 @@ class SharedIndex:
 
     tree: SuffixTree = field(default_factory=SuffixTree)
     kept: deque[list[int]] = field(default_factory=deque)
+    tokens: int = 0  # in ``kept``
+
+    @property
+    def bytes(self) -> int:
+        return self.tree.bytes + TOKEN_BYTES * self.tokens
+
+    def add(self, stream: list[int]) -> None:
+        self.tree.insert(stream)
+        self.kept.append(stream)
+        self.tokens += len(stream)
+
+    def drop_oldest(self) -> None:
+        stream = self.kept.popleft()
+        self.tree.remove(stream)
+        self.tokens -= len(stream)
 
 
 @dataclass
@@ -175,7 +270,7 @@ class SuffixDrafter:
 
     @property
     def bytes_used(self) -> int:
-        return NODE_BYTES * (self.shared.tree.nodes + sum(r.tree.nodes for r in self._requests.values()))
+        return self.shared.bytes + sum(r.tree.bytes + TOKEN_BYTES * len(r.tokens) for r in self._requests.values())
 
     def propose(self, items: list[DraftItem]) -> list[Draft]:
         return [self._draft(item) for item in items]
@@ -194,8 +289,8 @@ class SuffixDrafter:
         if request is None or request.n_prompt != item.n_prompt or len(item.history) < len(request.tokens):
             request = self._requests[item.seq] = _Request(SuffixTree(), [], item.n_prompt)
         for token in item.history[len(request.tokens):]:
-            request.tree.append(token)
             request.tokens.append(token)
+            request.tree.append(request.tokens, len(request.tokens) - 1)
         return request
 
     def release(self, seq: int, history: list[int] | None = None) -> None:
@@ -209,8 +304,7 @@ class SuffixDrafter:
             request.tokens += history[len(request.tokens):]
         kept = request.tokens[max(0, request.n_prompt - PROMPT_TAIL):]
         if len(kept) > PROMPT_TAIL:
-            self.shared.tree.insert(kept)
-            self.shared.kept.append(kept)
+            self.shared.add(kept)
         while self.shared.kept and self.bytes_used > self.cache_bytes:
-            self.shared.tree.remove(self.shared.kept.popleft())
+            self.shared.drop_oldest()
 
