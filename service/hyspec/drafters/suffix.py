@@ -56,14 +56,14 @@ class _Node:
 class _Tail:
     """A path that occurred once: it ends at ``stream[index]`` and what follows it is the rest of
     that stream (up to DEPTH), so nothing below it is stored. Prose repeats few paths longer than
-    a few tokens, and a tree of nodes all the way down held DEPTH nodes per token (~27 MB for a
-    4,096-token prompt); a second occurrence turns the tail into a node (``SuffixTree._split``)."""
+    a few tokens, and a tree of nodes all the way down held DEPTH nodes per token (~26 MB for a
+    4,096-token prose prompt); a second occurrence turns the tail into a node (``SuffixTree._split``)."""
 
     __slots__ = ("depth", "index", "stream")
     count = 1
 
     def __init__(self, stream: list[int], index: int, depth: int) -> None:
-        self.stream = stream  # read, never changed: a request's growing history, or a kept stream
+        self.stream = stream  # only read: a request's history (which only grows), or a kept stream
         self.index = index
         self.depth = depth
 
