@@ -234,8 +234,8 @@ def test_text_that_occurred_once_costs_a_tail_per_token_not_a_node_per_depth() -
                if stat.traceback[0].filename == suffix_module.__file__)
     assert held <= 300 * len(prompt), held
     assert drafter.bytes_used >= held * 0.8  # the bound counts what is held
-    # The prompt restated: every path of it now occurred twice (nodes, DEPTH deep), and the
-    # restatement drafts the prompt's continuation.
+    # Its first 100 tokens restated: each path within them now occurred twice (nodes, up to DEPTH
+    # deep), and the restatement drafts what followed them in the prompt.
     drafter.propose([DraftItem(0, prompt + prompt[:100], 8, len(prompt))])
     assert tree.nodes == sum(100 - n + 1 for n in range(1, DEPTH + 1))  # each path within the 100 tokens
     assert drafter.propose([DraftItem(0, prompt + prompt[:100], 8, len(prompt))])[0].tokens == prompt[100:108]
