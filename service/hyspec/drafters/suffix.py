@@ -52,6 +52,10 @@ class _Node:
     def child(self, token: int) -> _Node | _Tail | None:
         return self.children.get(token)
 
+    def recount_best(self) -> None:
+        """``best`` again from the children's counts (after some went down)."""
+        self.best = max(self.children, key=lambda t: self.children[t].count, default=-1)
+
 
 class _Tail:
     """A path that occurred once: it ends at ``stream[index]`` and what follows it is the rest of
@@ -143,9 +147,10 @@ class SuffixTree:
         node = _Node(count=1)
         self.nodes += 1
         self.tails -= 1
-        if tail.cont:
+        below = tail.child(tail.best)
+        if below is not None:
             node.best = tail.best
-            node.children[node.best] = _Tail(tail.stream, tail.index + 1, tail.depth + 1)
+            node.children[node.best] = below
             node.cont = 1
             self.tails += 1
         return node
@@ -170,12 +175,12 @@ class SuffixTree:
                 if child.count == 1:  # this stream's occurrence alone: the rest of the path goes with it
                     del node.children[token]
                     self._forget(child)
-                    node.best = max(node.children, key=lambda t: node.children[t].count, default=-1)
+                    node.recount_best()
                     break
                 assert isinstance(child, _Node)
                 child.count -= 1
                 if token == node.best:
-                    node.best = max(node.children, key=lambda t: node.children[t].count)
+                    node.recount_best()
                 node = child
 
     def _forget(self, gone: _Node | _Tail) -> None:
