@@ -275,7 +275,10 @@ class SuffixDrafter:
 
     @property
     def bytes_used(self) -> int:
-        return self.shared.bytes + sum(r.tree.bytes + TOKEN_BYTES * len(r.tokens) for r in self._requests.values())
+        return self.shared.bytes + self._live_bytes()
+
+    def _live_bytes(self) -> int:
+        return sum(r.tree.bytes + TOKEN_BYTES * len(r.tokens) for r in self._requests.values())
 
     def propose(self, items: list[DraftItem]) -> list[Draft]:
         return [self._draft(item) for item in items]
@@ -310,6 +313,7 @@ class SuffixDrafter:
         kept = request.tokens[max(0, request.n_prompt - PROMPT_TAIL):]
         if len(kept) > PROMPT_TAIL:
             self.shared.add(kept)
-        while self.shared.kept and self.bytes_used > self.cache_bytes:
+        live = self._live_bytes()  # summed once: the live requests don't change while the shared index shrinks
+        while self.shared.kept and self.shared.bytes + live > self.cache_bytes:
             self.shared.drop_oldest()
 
