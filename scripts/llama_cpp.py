@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -57,6 +58,21 @@ SERVER_ARGS = [
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 ]
+# ggml's AMX kernels in the pinned tree crash at their first tile instruction (SIGSEGV in
+# ldtilecfg inside ggml_backend_amx_mul_mat, llama.cpp issue #20824) on CPUs that have AMX, in
+# any matrix product of a quantized model. GGML_NATIVE's -march=native turns them on there, so
+# both builds (ours and the llama-server we compare with) leave them out; an explicit -mno-*
+# wins over -march=native whatever the order.
+X86_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def arch_args() -> list[str]:
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return [f"-DCMAKE_C_FLAGS={X86_NO_AMX}", f"-DCMAKE_CXX_FLAGS={X86_NO_AMX}"]
+    return []
+
+
+CONFIGURE_RECORD = "hyspec-configure-args.txt"  # in each build directory: what it was configured with
 
 
 def log(msg: str) -> None:
@@ -137,22 +153,30 @@ def configured_source(build: Path) -> str | None:
     return None
 
 
+def configured_args(build: Path) -> list[str] | None:
+    """The arguments ``build`` was configured with (None before they were recorded)."""
+    record = build / CONFIGURE_RECORD
+    return record.read_text().splitlines() if record.exists() else None
+
+
 def cmake_build(kind: str, base_args: list[str], extra: list[str], targets: list[str], install: bool) -> Path:
     src = source_dir()
     key = build_key(kind, extra)
     build = cache_dir() / "build" / key
     prefix = cache_dir() / "prefix" / key
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = ["-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_INSTALL_PREFIX={prefix}", *base_args, *arch_args(), *extra]
     if configured_source(build) not in (None, str(src)):
         log(f"{build} was configured for another llama.cpp tree: starting it afresh")
         shutil.rmtree(build)
+    elif (build / "CMakeCache.txt").exists() and configured_args(build) != configure:
+        log(f"{build} was configured with other arguments: starting it afresh")
+        shutil.rmtree(build)
     if not (build / "CMakeCache.txt").exists():
         log(f"configuring {kind} build in {build} (first time: several minutes)")
-        subprocess.run(
-            ["cmake", "-S", str(src), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
-             f"-DCMAKE_INSTALL_PREFIX={prefix}", *base_args, *extra],
-            check=True, stdout=sys.stderr,
-        )
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), *generator, *configure],
+                       check=True, stdout=sys.stderr)
+        (build / CONFIGURE_RECORD).write_text("\n".join(configure) + "\n")
     jobs = str(os.cpu_count() or 2)
     cmd = ["cmake", "--build", str(build), "-j", jobs]
     for target in targets:

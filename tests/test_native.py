@@ -289,6 +289,18 @@ def test_bad_input_raises_typed_error_without_crashing(case: str, tiny_lfm2: Pat
         assert proc.stdout.split()[1] == "1"
 
 
+def test_a_quantized_model_decodes_a_batch_on_this_cpu(tiny_lfm2_q8: Path) -> None:
+    """On CPUs with AMX the pinned llama.cpp's AMX kernels crashed (SIGSEGV) in the first matrix
+    product of a quantized model; the build leaves them out (scripts/llama_cpp.py)."""
+    assert "AMX_INT8 = 1" not in N.system_info()
+    proc = _run_native(tiny_lfm2_q8, """
+        import numpy as np
+        ctx.decode(list(range(10, 19)), list(range(9)), [0] * 9, [True] * 9)
+        print(bool(np.isfinite(ctx.logits_all()).all()), ctx.logits_all().shape[0])
+    """)
+    assert proc.stdout.split() == ["True", "9"]
+
+
 def test_model_stays_alive_while_a_context_uses_it(tiny_lfm2: Path) -> None:
     model = N.Model(str(tiny_lfm2))
     ctx = N.Context(model, n_ctx=256, n_threads=1)
