@@ -296,7 +296,8 @@ def test_a_quantized_model_decodes_a_batch_on_this_cpu(tiny_lfm2_q8: Path) -> No
     proc = _run_native(tiny_lfm2_q8, """
         import numpy as np
         ctx.decode(list(range(10, 19)), list(range(9)), [0] * 9, [True] * 9)
-        print(bool(np.isfinite(ctx.logits_all()).all()), ctx.logits_all().shape[0])
+        logits = ctx.logits_all()
+        print(bool(np.isfinite(logits).all()), logits.shape[0])
     """)
     assert proc.stdout.split() == ["True", "9"]
 
