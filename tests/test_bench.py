@@ -371,6 +371,22 @@ def test_each_scenario_runs_its_pairs_in_orders_of_its_own() -> None:
     assert len({tuple(_shuffled(settings, results[0], i)) for i in range(5)}) > 1  # nor one for all pairs
 
 
+def test_agentic_sessions_do_not_repeat_an_earlier_one() -> None:
+    """One chain of edits of edits reached a fixed point on Gemma (b64): from its sixth request
+    on, each equalled one three pairs earlier, and both sides drafted it from memory. Each
+    session now has an opening and an edit of its own: the first is the scenario's prompt."""
+    from hyspec.bench.scenarios import AGENTIC_EDITS, PROSE, STREAM_PROMPTS, agentic_session, variant
+
+    distinct = len(STREAM_PROMPTS) * len(AGENTIC_EDITS)
+    sessions = [agentic_session(PROSE, i) for i in range(distinct)]
+    assert sessions[0] == (variant(PROSE, 0), AGENTIC_EDITS[0])
+    assert len({(opening.split(". ", 1)[1], edit) for opening, edit in sessions}) == distinct
+    assert all("{answer}" in edit for _, edit in sessions)
+    other = agentic_session("Write a haiku about rain. ", 1)[0]
+    assert other == variant(PROSE, 1)  # another opening comes first; PROSE then takes its turn
+    assert agentic_session("Write a haiku about rain. ", 0)[0] == variant("Write a haiku about rain. ", 0)
+
+
 def test_each_mode_of_the_worker_learns_from_its_own_earlier_requests_only(tiny_llama: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The bench's hyspec worker gives each speculation mode a suffix index of its own, as a

@@ -23,7 +23,6 @@ from hyspec.bench.peer import LlamaServer, PeerConfig
 from hyspec.bench.records import Batch, Run
 from hyspec.bench.remote import HyspecService
 from hyspec.bench.scenarios import (
-    AGENTIC_EDITS,
     PROSE,
     QUESTIONS,
     STREAM_PROMPTS,
@@ -34,6 +33,7 @@ from hyspec.bench.scenarios import (
     Service,
     Streams,
     Versus,
+    agentic_session,
     variant,
 )
 from hyspec.bench.worker import HyspecWorker, WorkerConfig
@@ -228,17 +228,36 @@ class Runner:
 
             # Prompt 0 is the warm-up; pair i gets prompt i + 1 on every side.
             pairs = result.pairs = sc.pair_scale * self.s.pairs
-            prompts = self._agentic_prompts(sc, worker, pairs) if sc.agentic else \
-                [worker.tokenize(variant(sc.prompt, i)) for i in range(pairs + 1)]
+            openings: list[list[int]] = []  # agentic: the first request of each pair's session
+            if sc.agentic:
+                openings, prompts = self._agentic_sessions(sc, worker, pairs)
+            else:
+                prompts = [worker.tokenize(variant(sc.prompt, i)) for i in range(pairs + 1)]
             result.prompt_tokens = len(prompts[0])
             args["max_tokens"] = result.max_tokens = min(
-                sc.answer_scale * self.s.max_tokens, self._ctx(sc.target) - max(len(p) for p in prompts) - 1)
+                sc.answer_scale * self.s.max_tokens,
+                self._ctx(sc.target) - max(len(p) for p in (*prompts, *openings)) - 1)
+
+            def open_session(i: int) -> None:
+                """Every drafting side answers session i's first request (unmeasured), as a
+                server asked to edit its own answer has written it (plain decoding keeps nothing
+                across requests)."""
+                for mode in hyspec:
+                    if mode != "off":
+                        on_hyspec(openings[i], mode)
+                for peer in peers.values():
+                    peer.run(openings[i:i + 1], **args)
+
+            if openings:
+                open_session(0)
             for mode in sc.modes:
                 on_hyspec(prompts[0], mode)
             for peer in peers.values():
                 peer.run(prompts[:1], **args)
             order = [(HYSPEC, mode) for mode in hyspec] + [(LLAMA, name) for name in peers]
             for i in range(pairs):
+                if openings:
+                    open_session(i + 1)
                 for who, setting in _shuffled(order, result, i):
                     if who == HYSPEC:
                         hyspec[setting].add(on_hyspec(prompts[i + 1], setting))
@@ -257,15 +276,17 @@ class Runner:
         check.verdict(result)
         return result
 
-    def _agentic_prompts(self, sc: Versus, worker: HyspecWorker, pairs: int) -> list[list[int]]:
-        """A chain of edits: request k asks to restate or edit answer k - 1 (its plain greedy
-        run, so every side is sent the same prompts)."""
-        prompts = [worker.tokenize(sc.prompt)]
-        for i in range(pairs):
-            answer = worker.run(prompts[-1:], max_tokens=self.s.max_tokens, spec="off", draft_max=0).runs[0]
-            edit = AGENTIC_EDITS[i % len(AGENTIC_EDITS)]
-            prompts.append(worker.tokenize(edit.format(answer=worker.detokenize(answer.tokens))))
-        return prompts
+    def _agentic_sessions(self, sc: Versus, worker: HyspecWorker,
+                          pairs: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Each session's first request and its second, an edit that carries the first one's
+        answer (its plain greedy run, so that every side is sent the same prompts)."""
+        openings, edits = [], []
+        for i in range(pairs + 1):
+            opening, edit = agentic_session(sc.prompt, i)
+            openings.append(worker.tokenize(opening))
+            answer = worker.run(openings[-1:], max_tokens=self.s.max_tokens, spec="off", draft_max=0).runs[0]
+            edits.append(worker.tokenize(edit.format(answer=worker.detokenize(answer.tokens))))
+        return openings, edits
 
     def _oracle(self, sc: Oracle, target: ModelSpec, progress: Callable[[str], None]) -> Result:
         result = Result("oracle", sc.number, sc.name, target.label, "oracle", goal=None)

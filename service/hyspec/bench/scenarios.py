@@ -26,10 +26,11 @@ STREAM_PROMPTS = (
 
 # The trained pair's corpus: a verse it has not seen (held out), to be continued.
 KJV = "And it came to pass, when the king heard the words of the book of the law, that he rent his clothes. "
-# Agentic requests: each restates or edits the previous answer, which it carries in its prompt.
+# Agentic requests: each restates or edits an earlier answer, which it carries in its prompt.
 AGENTIC_EDITS = ("Rewrite this paragraph in plainer words:\n\n{answer}\n\nRewritten:",
                  "Fix the grammar of this text and return all of it:\n\n{answer}\n\nFixed:",
-                 "Repeat this text, then add one sentence:\n\n{answer}\n\n")
+                 "Repeat this text, then add one sentence:\n\n{answer}\n\n",
+                 "Correct the spelling in this text and return all of it:\n\n{answer}\n\nCorrected:")
 # Multi-turn and shared-prompt scenarios: a long system prompt, then questions.
 SYSTEM = ("You are the support assistant of a company that builds printing presses. Answer precisely, "
           "quote the manual where you can, and say when you do not know. The manual follows. ")
@@ -44,6 +45,20 @@ def variant(text: str, i: int) -> str:
     return f"Part {i + 1}. {text}"
 
 
+def agentic_session(opening: str, i: int) -> tuple[str, str]:
+    """Session ``i`` of the agentic scenario (0: the warm-up): its first request, and the edit
+    that its second request asks of the first one's answer (``{answer}`` in the text).
+
+    Sessions start from different prompts (``opening``, then the other STREAM_PROMPTS, each with
+    its ``variant`` number) and ask different edits, so no session repeats an earlier one within
+    len(STREAM_PROMPTS) * len(AGENTIC_EDITS) sessions. One chain of edits of edits did (b64): on
+    Gemma it reached a fixed point by its sixth request, and from then on every request equalled
+    one three pairs earlier, whose whole answer both sides' cross-request tables held."""
+    openings = tuple(dict.fromkeys((opening, *STREAM_PROMPTS)))
+    edit = AGENTIC_EDITS[(i // len(openings)) % len(AGENTIC_EDITS)]
+    return variant(openings[i % len(openings)], i), edit
+
+
 def _peers(spec: str) -> tuple[str, ...]:
     return NGRAM_TYPES if spec == "ngram" else (spec,)
 
@@ -54,8 +69,9 @@ class Versus:
 
     hyspec runs ``spec`` (its fixed configuration) and, in a speculative scenario, also plain
     and ``auto`` (and any ``extra`` modes); llama-server runs each of ``peers`` (the n-gram
-    scenarios: every n-gram type it has). ``agentic``: each request edits the previous answer,
-    which its prompt carries (AGENTIC_EDITS), instead of being a prompt of its own."""
+    scenarios: every n-gram type it has). ``agentic``: each pair is a session of two requests
+    (``agentic_session``, ``prompt`` the first session's opening), an opening and an edit of its
+    answer that carries the answer in its prompt; every side answers both, and the edit is measured."""
 
     number: int
     name: str
