@@ -51,7 +51,7 @@ def agentic_session(opening: str, i: int) -> tuple[str, str]:
 
     Sessions start from different prompts (``opening``, then the other STREAM_PROMPTS, each with
     its ``variant`` number) and ask different edits, so no session repeats an earlier one within
-    len(STREAM_PROMPTS) * len(AGENTIC_EDITS) sessions. One chain of edits of edits did (b64): on
+    (number of openings) * len(AGENTIC_EDITS) sessions. One chain of edits of edits did (b64): on
     Gemma it reached a fixed point by its sixth request, and from then on every request equalled
     one three pairs earlier, whose whole answer both sides' cross-request tables held."""
     openings = tuple(dict.fromkeys((opening, *STREAM_PROMPTS)))
@@ -71,7 +71,8 @@ class Versus:
     and ``auto`` (and any ``extra`` modes); llama-server runs each of ``peers`` (the n-gram
     scenarios: every n-gram type it has). ``agentic``: each pair is a session of two requests
     (``agentic_session``, ``prompt`` the first session's opening), an opening and an edit of its
-    answer that carries the answer in its prompt; every side answers both, and the edit is measured."""
+    answer that carries the answer in its prompt; every drafting side answers both, and the edit is
+    measured."""
 
     number: int
     name: str
