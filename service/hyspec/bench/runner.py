@@ -238,26 +238,22 @@ class Runner:
                 sc.answer_scale * self.s.max_tokens,
                 self._ctx(sc.target) - max(len(p) for p in (*prompts, *openings)) - 1)
 
-            def open_session(i: int) -> None:
-                """Every drafting side answers session i's first request (unmeasured), as a
-                server asked to edit its own answer has written it (plain decoding keeps nothing
-                across requests)."""
-                for mode in hyspec:
-                    if mode != "off":
-                        on_hyspec(openings[i], mode)
+            def unmeasured(prompt: list[int], modes: tuple[str, ...]) -> None:
+                for mode in modes:
+                    on_hyspec(prompt, mode)
                 for peer in peers.values():
-                    peer.run(openings[i:i + 1], **args)
+                    peer.run([prompt], **args)
 
+            # Every drafting side answers a session's first request, as a server asked to edit
+            # its own answer has written it (plain decoding keeps nothing across requests).
+            drafting = tuple(mode for mode in sc.modes if mode != "off")
             if openings:
-                open_session(0)
-            for mode in sc.modes:
-                on_hyspec(prompts[0], mode)
-            for peer in peers.values():
-                peer.run(prompts[:1], **args)
+                unmeasured(openings[0], drafting)
+            unmeasured(prompts[0], sc.modes)  # the warm-up
             order = [(HYSPEC, mode) for mode in hyspec] + [(LLAMA, name) for name in peers]
             for i in range(pairs):
                 if openings:
-                    open_session(i + 1)
+                    unmeasured(openings[i + 1], drafting)
                 for who, setting in _shuffled(order, result, i):
                     if who == HYSPEC:
                         hyspec[setting].add(on_hyspec(prompts[i + 1], setting))
