@@ -66,10 +66,29 @@ SERVER_ARGS = [
 X86_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
-def arch_args() -> list[str]:
+def arch_flags() -> dict[str, str]:
+    """Compiler flags this machine's builds need, by CMake variable."""
     if platform.machine().lower() in ("x86_64", "amd64"):
-        return [f"-DCMAKE_C_FLAGS={X86_NO_AMX}", f"-DCMAKE_CXX_FLAGS={X86_NO_AMX}"]
-    return []
+        return {"CMAKE_C_FLAGS": X86_NO_AMX, "CMAKE_CXX_FLAGS": X86_NO_AMX}
+    return {}
+
+
+def with_arch_flags(extra: list[str]) -> list[str]:
+    """``arch_flags`` as definitions, then ``extra``. A definition of the same variable in
+    ``extra`` (``-DCMAKE_C_FLAGS=-O3``) gets them appended instead: CMake keeps the last
+    definition, so a user's flags would otherwise drop ours (and bring the AMX crash back)."""
+    flags = arch_flags()
+    merged: list[str] = []
+    args = iter(extra)
+    for arg in args:
+        if arg == "-D":  # "-D NAME=VALUE", two arguments
+            arg = "-D" + next(args, "")
+        name, _, value = arg.removeprefix("-D").partition("=")
+        variable = name.partition(":")[0]  # -DNAME:TYPE=VALUE
+        if arg.startswith("-D") and variable in flags:
+            arg = f"-D{name}={value} {flags.pop(variable)}"
+        merged.append(arg)
+    return [f"-D{variable}={value}" for variable, value in flags.items()] + merged
 
 
 CONFIGURE_RECORD = "hyspec-configure-args.txt"  # in each build directory: what it was configured with
@@ -165,7 +184,7 @@ def cmake_build(kind: str, base_args: list[str], extra: list[str], targets: list
     build = cache_dir() / "build" / key
     prefix = cache_dir() / "prefix" / key
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    configure = ["-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_INSTALL_PREFIX={prefix}", *base_args, *arch_args(), *extra]
+    configure = ["-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_INSTALL_PREFIX={prefix}", *base_args, *with_arch_flags(extra)]
     if configured_source(build) not in (None, str(src)):
         log(f"{build} was configured for another llama.cpp tree: starting it afresh")
         shutil.rmtree(build)

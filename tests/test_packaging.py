@@ -3,6 +3,7 @@ licence and CI settings hold."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import sys
 import time
 import venv
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -109,3 +111,28 @@ def test_licence_and_ci_settings() -> None:
     assert any(r.startswith("grpcio-tools") for r in _pyproject()["build-system"]["requires"])
     ci = (REPO / ".ci" / "run").read_text()
     assert "export PIP_NO_CACHE_DIR=1" in ci and "make test" in ci
+
+
+def _build_script() -> ModuleType:
+    """scripts/llama_cpp.py, which is not part of the package."""
+    spec = importlib.util.spec_from_file_location("llama_cpp_build", REPO / "scripts" / "llama_cpp.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compiler_flags_of_the_user_keep_the_ones_the_machine_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A -DCMAKE_C_FLAGS in HYSPEC_LLAMA_CMAKE_ARGS gets the AMX switches appended: CMake keeps
+    the last definition, so passing both would have dropped one of them."""
+    script = _build_script()
+    monkeypatch.setattr(script.platform, "machine", lambda: "x86_64")
+    no_amx = script.X86_NO_AMX
+    assert script.with_arch_flags(["-DGGML_CUDA=ON"]) == [
+        f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}", "-DGGML_CUDA=ON"]
+    assert script.with_arch_flags(["-DCMAKE_C_FLAGS=-O3 -g", "-D", "CMAKE_CXX_FLAGS:STRING=-O2", "-DX=1"]) == [
+        f"-DCMAKE_C_FLAGS=-O3 -g {no_amx}", f"-DCMAKE_CXX_FLAGS:STRING=-O2 {no_amx}", "-DX=1"]
+    assert script.with_arch_flags(["-DCMAKE_CXX_FLAGS_RELEASE=-O2"]) == [
+        f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}", "-DCMAKE_CXX_FLAGS_RELEASE=-O2"]
+    monkeypatch.setattr(script.platform, "machine", lambda: "aarch64")
+    assert script.with_arch_flags(["-DCMAKE_C_FLAGS=-O3"]) == ["-DCMAKE_C_FLAGS=-O3"]
