@@ -26,11 +26,17 @@ where pass(n) is a decode pass of n tokens and base the step's tokens without dr
 busy slot); when the drafted tokens go in a ubatch of their own, as they do on a hybrid target
 with several busy slots, the first term is a whole pass(k + 1).
 
-It pays when the tokens gained per second of delay beat the rate the step already produces
-(every busy slot's token per step time): ``best_length`` takes the k maximising
-gain(k) - rate x delay(k), and 0 when none is positive. So a drafter that is as slow as the
-target, or rarely right, is not used, and with many busy slots a verified token must be more
-likely to be accepted to be worth its place in the batch.
+``best_length`` takes the k that gives the step the most tokens per second,
+
+    (base + gain(k)) / (pass(base) + delay(k)),
+
+and 0 unless that beats the step without drafts: gain(k) must beat rate x delay(k), the rate
+being every busy slot's token per step time. So a drafter that is as slow as the target, or
+rarely right, is not used, and with many busy slots a verified token must be more likely to be
+accepted to be worth its place in the batch. Among lengths that pay, a longer draft must also
+keep up the rate the shorter one already gives: the ninth token of a pass that ggml's kernels
+take four columns at a time costs most of a weight pass, which beats plain decoding's rate but
+not that of the eight before it (LFM2-1.2B Q8_0: eight tokens in 2.1 steps, nine in 2.9).
 """
 
 from __future__ import annotations
@@ -331,9 +337,9 @@ class SlotRecord:
     stated_expected: float = 0.0
     idle_steps: int = 0
     failed_probes: int = 0
-    # Drafters without a confidence that chose 0 tokens, and for what (max_len, busy slots):
+    # Drafters without a confidence that chose 0 tokens, and for what (max_len, busy slots, finishing):
     # their inputs change only with observations, so the choice stands for a few steps.
-    declined: dict[str, tuple[int, int]] = field(default_factory=dict)
+    declined: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
 
     def chances(self, max_len: int, record: Acceptance, confidence: list[float] | None,
                 calibration: Calibration) -> list[float]:
@@ -377,27 +383,55 @@ def expected_gain(chances: list[float]) -> list[float]:
 
 
 def best_length(chances: list[float], costs: Costs, *, rate: float, base: int, draft_model: bool, own_pass: bool,
-                rollback: bool) -> tuple[int, float]:
-    """The draft length (0..len(chances)) that maximises the expected tokens gained minus what
-    the longer step costs at ``rate`` tokens per second, and that value (0 for k = 0).
-    ``base``: the tokens of the step's pass without drafts (one per busy slot); ``draft_model``:
-    each token costs a draft-model step; ``own_pass``: drafting puts this slot in a ubatch of its
-    own (a weight pass); ``rollback``: a rejection costs a restore and a replay."""
+                rollback: bool, finishing: bool = False) -> tuple[int, float]:
+    """The draft length (0..len(chances)) that gives the step the most tokens per second, and
+    its value: the tokens it gains over plain decoding in the time of a step without drafts (0
+    for k = 0). ``rate``: the step's tokens per second without drafts; ``base``: the tokens of
+    that step's pass (one per busy slot); ``draft_model``: each token costs a draft-model step;
+    ``own_pass``: drafting puts this slot in a ubatch of its own (a weight pass); ``rollback``: a
+    rejection costs a restore and a replay.
+
+    ``finishing``: the step's token and all of ``chances`` are the request's last tokens (its
+    budget). A lone busy slot then takes the length that ends the request soonest on average
+    (``_finishing_times``), not the step's best rate: at the end of an answer, four tokens at the
+    best rate and three more in a pass of their own took longer than all seven in one pass."""
     if not chances or not costs.known:
         return 0, 0.0
+    step = base / rate  # the step's time without drafts
     start = 1 if own_pass else base
     passes = [costs.pass_time(start + k) for k in range(len(chances) + 1)]
-    best_k, best_value, gain, run = 0, 0.0, 0.0, 1.0
+    runs = [math.prod(chances[:k]) for k in range(len(chances) + 1)]  # all of the first k accepted
+    delays = [0.0]
     for k in range(1, len(chances) + 1):
-        run *= chances[k - 1]
-        gain += run
         delay = passes[k] if own_pass else max(0.0, passes[k] - passes[0])
         delay += k * costs.draft_token if draft_model else 0.0
-        delay += (1.0 - run) * costs.rollback if rollback else 0.0
-        value = gain - rate * delay
-        if value > best_value:
-            best_k, best_value = k, value
-    return best_k, best_value
+        delay += (1.0 - runs[k]) * costs.rollback if rollback else 0.0
+        delays.append(delay)
+    if finishing and base == 1:
+        times = _finishing_times(chances, runs, [step + d for d in delays])
+        n = len(chances) + 1
+        values = [n * step * (1.0 / t - 1.0 / times[0]) for t in times]
+    else:
+        gains = expected_gain(chances)
+        values = [(base + gains[k]) * step / (step + delays[k]) - base for k in range(len(chances) + 1)]
+    best_k = max(range(len(values)), key=lambda k: (values[k], -k))
+    return (best_k, values[best_k]) if values[best_k] > 0 else (0, 0.0)
+
+
+def _finishing_times(chances: list[float], runs: list[float], step_times: list[float]) -> list[float]:
+    """The expected time to write the request's last len(chances) + 1 tokens when this step drafts
+    k of them, for each k, every later step drafting as well as it can (a step drafting k tokens
+    takes ``step_times[k]`` and writes 1 + a of them, a being the accepted run)."""
+    n = len(chances) + 1
+
+    def after(k: int, left: list[float], need: int) -> float:  # a step of k drafts, then `left`
+        accepted = [runs[a] * (1.0 - chances[a]) for a in range(k)] + [runs[k]]
+        return step_times[k] + sum(p * left[need - 1 - a] for a, p in enumerate(accepted))
+
+    best = [0.0]  # best[m]: the least expected time to write m more tokens
+    for need in range(1, n):
+        best.append(min(after(k, best, need) for k in range(need)))
+    return [after(k, best, n) for k in range(n)]
 
 
 @dataclass
@@ -407,7 +441,7 @@ class Choice:
     drafter: str
     length: int
     expected: float = 0.0  # expected accepted tokens
-    value: float = 0.0  # expected tokens gained less the delay's worth in tokens
+    value: float = 0.0  # tokens gained over plain decoding in the time of a step without drafts
     probe: bool = False  # a try of a drafter that stopped paying (its record must learn)
     confidence: list[float] | None = None  # the drafter's stated confidence per drafted token
 
@@ -445,12 +479,13 @@ class SpeculationPolicy:
         return n_generating / self.costs.pass_time(max(1, n_generating))
 
     def choose(self, slot: SlotRecord, drafter: str, max_len: int, n_generating: int, *,
-               confidence: list[float] | None = None, draft_model: bool = False) -> Choice:
+               confidence: list[float] | None = None, draft_model: bool = False, finishing: bool = False) -> Choice:
         """The best length for ``drafter`` on this slot (0: not worth it); a stated
-        ``confidence`` is read as what it has turned out to mean so far (its calibration)."""
+        ``confidence`` is read as what it has turned out to mean so far (its calibration).
+        ``finishing``: ``max_len`` drafts and the step's own token would end the request."""
         if max_len <= 0 or not self.costs.known:
             return Choice(drafter, 0, 0.0)
-        if confidence is None and slot.declined.get(drafter) == (max_len, n_generating) \
+        if confidence is None and slot.declined.get(drafter) == (max_len, n_generating, finishing) \
                 and slot.idle_steps % self.RECHECK_EVERY:
             return Choice(drafter, 0, 0.0)  # on a tiny target the full choice is a tenth of a step
         stated = confidence[:max_len] if confidence is not None else None
@@ -458,9 +493,10 @@ class SpeculationPolicy:
         chances = self.earlier.chances(slot.accepted, slot.compared, max_len) if stated is None else None
         if chances is None:
             chances = slot.chances(max_len, record, stated, self.calibration(drafter))
-        k, value = self._best_length(chances, n_generating, draft_model=draft_model)
+        k, value = self._best_length(chances, n_generating, draft_model=draft_model,
+                                     finishing=finishing and len(chances) == max_len)
         if confidence is None and k == 0:
-            slot.declined[drafter] = (max_len, n_generating)
+            slot.declined[drafter] = (max_len, n_generating, finishing)
         else:
             slot.declined.pop(drafter, None)
         return Choice(drafter, k, expected_gain(chances)[k], value, confidence=stated[:k] if stated else None)
@@ -472,11 +508,12 @@ class SpeculationPolicy:
         every token since it last drafted). False too while costs are unknown (best_length)."""
         return self._best_length([MAX_ACCEPTANCE] * max_len, n_generating, draft_model=draft_model)[0] > 0
 
-    def _best_length(self, chances: list[float], n_generating: int, *, draft_model: bool) -> tuple[int, float]:
+    def _best_length(self, chances: list[float], n_generating: int, *, draft_model: bool,
+                     finishing: bool = False) -> tuple[int, float]:
         """``best_length`` in this engine's step: its busy slots, its target and rollback."""
         return best_length(chances, self.costs, rate=self.rate(n_generating), base=max(1, n_generating),
                            draft_model=draft_model, own_pass=self.hybrid and n_generating > 1,
-                           rollback=self.rollback_costs)
+                           rollback=self.rollback_costs, finishing=finishing)
 
     def probe(self, slot: SlotRecord) -> bool:
         """Whether a slot that drafts nothing should try the draft model now (its worth can

@@ -398,7 +398,7 @@ class Scheduler:
             max_len = min(room, left, self.ring or job.draft_max, job.draft_max)
             if max_len >= max(1, job.draft_min):
                 requests.append(DraftRequest(slot.seq, slot.history, len(job.prompt), job.spec, max_len,
-                                             job.draft_min, job.adaptive, slot.record))
+                                             job.draft_min, job.adaptive, slot.record, finishing=max_len == left))
         return self.speculator.propose(requests, len(generating)) if requests else {}
 
     def _sample(self, slot: Slot, output: int, argmax: np.ndarray | None) -> int:

@@ -46,6 +46,7 @@ class DraftRequest:
     draft_min: int
     adaptive: bool
     record: SlotRecord
+    finishing: bool = False  # max_len is what is left of max_tokens after the step's own token
 
 
 @dataclass
@@ -98,13 +99,15 @@ class Speculator:
             if draft is not None and draft.tokens:
                 if r.adaptive:
                     choice = self.policy.choose(r.record, SUFFIX, len(draft.tokens), n_generating,
-                                                confidence=draft.confidence)
+                                                confidence=draft.confidence,
+                                                finishing=r.finishing and len(draft.tokens) == r.max_len)
                 else:
                     choice = Choice(SUFFIX, len(draft.tokens), value=float("inf"), confidence=draft.confidence)
                 options.append((choice, draft.tokens[:choice.length]))
             if self.model is not None and r.mode in (SpecMode.AUTO, SpecMode.DRAFT):
                 if r.adaptive:
-                    choice = self.policy.choose(r.record, DRAFT_MODEL, r.max_len, n_generating, draft_model=True)
+                    choice = self.policy.choose(r.record, DRAFT_MODEL, r.max_len, n_generating, draft_model=True,
+                                                finishing=r.finishing)
                 else:
                     choice = Choice(DRAFT_MODEL, r.max_len, value=float("inf"))
                 options.append((choice, []))
