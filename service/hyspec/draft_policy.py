@@ -63,6 +63,13 @@ CONFIDENCE_BANDS = 10  # a calibration learns the acceptance of each tenth of st
 CALIBRATION_PRIOR = 4.0  # a band starts at its stated confidence, worth this many observations
 
 
+# Draft lengths whose expected rates are within this share of the best are taken as equal, and
+# the longest of them drafted. The rates rest on pass times that drift between the machine's
+# spells and on chances capped at MAX_ACCEPTANCE (which undervalues a long draft that is always
+# right), and a width that is not drafted is not timed again: a nine-token pass read in a slow
+# spell at 1.73 steps made five drafts of the F16 echo target look as good as eight, and it
+# drafted five for four requests (one verify pass more each, ~9%).
+RATE_TOLERANCE = 0.05
 FOLLOW_PACE = 0.5  # of a width's learnt drift that the other widths take (Costs._follow)
 KERNEL_BLOCK = 4  # the batch columns ggml's repacked CPU kernels take at a time
 
@@ -394,7 +401,8 @@ def best_length(chances: list[float], costs: Costs, *, rate: float, base: int, d
     ``finishing``: the step's token and all of ``chances`` are the request's last tokens (its
     budget). A lone busy slot then takes the length that ends the request soonest on average
     (``_finishing_times``), not the step's best rate: at the end of an answer, four tokens at the
-    best rate and three more in a pass of their own took longer than all seven in one pass."""
+    best rate and three more in a pass of their own took longer than all seven in one pass.
+    Either way, the longest length within RATE_TOLERANCE of the best rate is taken."""
     if not chances or not costs.known:
         return 0, 0.0
     step = base / rate  # the step's time without drafts
@@ -408,14 +416,15 @@ def best_length(chances: list[float], costs: Costs, *, rate: float, base: int, d
         delay += (1.0 - runs[k]) * costs.rollback if rollback else 0.0
         delays.append(delay)
     if finishing and base == 1:
-        times = _finishing_times(chances, runs, [step + d for d in delays])
         n = len(chances) + 1
-        values = [n * step * (1.0 / t - 1.0 / times[0]) for t in times]
+        rates = [n / t for t in _finishing_times(chances, runs, [step + d for d in delays])]
     else:
-        gains = expected_gain(chances)
-        values = [(base + gains[k]) * step / (step + delays[k]) - base for k in range(len(chances) + 1)]
-    best_k = max(range(len(values)), key=lambda k: (values[k], -k))
-    return (best_k, values[best_k]) if values[best_k] > 0 else (0, 0.0)
+        rates = [(base + gain) / (step + delay) for gain, delay in zip(expected_gain(chances), delays, strict=True)]
+    best = max(rates)
+    if best <= rates[0]:
+        return 0, 0.0
+    k = max(k for k, r in enumerate(rates) if r >= (1.0 - RATE_TOLERANCE) * best and r > rates[0])
+    return k, (rates[k] - rates[0]) * step
 
 
 def _finishing_times(chances: list[float], runs: list[float], step_times: list[float]) -> list[float]:
