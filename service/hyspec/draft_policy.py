@@ -42,7 +42,9 @@ not that of the eight before it (LFM2-1.2B Q8_0: eight tokens in 2.1 steps, nine
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+import operator
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -408,7 +410,7 @@ def best_length(chances: list[float], costs: Costs, *, rate: float, base: int, d
     step = base / rate  # the step's time without drafts
     start = 1 if own_pass else base
     passes = [costs.pass_time(start + k) for k in range(len(chances) + 1)]
-    runs = [math.prod(chances[:k]) for k in range(len(chances) + 1)]  # all of the first k accepted
+    runs = list(itertools.accumulate(chances, operator.mul, initial=1.0))  # all of the first k accepted
     delays = [0.0]
     for k in range(1, len(chances) + 1):
         delay = passes[k] if own_pass else max(0.0, passes[k] - passes[0])
@@ -419,7 +421,8 @@ def best_length(chances: list[float], costs: Costs, *, rate: float, base: int, d
         n = len(chances) + 1
         rates = [n / t for t in _finishing_times(chances, runs, [step + d for d in delays])]
     else:
-        rates = [(base + gain) / (step + delay) for gain, delay in zip(expected_gain(chances), delays, strict=True)]
+        gains = itertools.accumulate(runs[1:], initial=0.0)  # expected_gain, from the runs
+        rates = [(base + gain) / (step + delay) for gain, delay in zip(gains, delays, strict=True)]
     best = max(rates)
     if best <= rates[0]:
         return 0, 0.0
