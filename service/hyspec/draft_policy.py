@@ -421,8 +421,7 @@ def best_length(chances: list[float], costs: Costs, *, rate: float, base: int, d
         n = len(chances) + 1
         rates = [n / t for t in _finishing_times(chances, runs, [step + d for d in delays])]
     else:
-        gains = itertools.accumulate(runs[1:], initial=0.0)  # expected_gain, from the runs
-        rates = [(base + gain) / (step + delay) for gain, delay in zip(gains, delays, strict=True)]
+        rates = [(base + gain) / (step + delay) for gain, delay in zip(expected_gain(chances), delays, strict=True)]
     best = max(rates)
     if best <= rates[0]:
         return 0, 0.0
@@ -435,10 +434,11 @@ def _finishing_times(chances: list[float], runs: list[float], step_times: list[f
     k of them, for each k, every later step drafting as well as it can (a step drafting k tokens
     takes ``step_times[k]`` and writes 1 + a of them, a being the accepted run)."""
     n = len(chances) + 1
+    # accepted[k][a]: the chance that a draft of k tokens has exactly its first a accepted
+    accepted = [[runs[a] * (1.0 - chances[a]) for a in range(k)] + [runs[k]] for k in range(n)]
 
     def after(k: int, left: list[float], need: int) -> float:  # a step of k drafts, then `left`
-        accepted = [runs[a] * (1.0 - chances[a]) for a in range(k)] + [runs[k]]
-        return step_times[k] + sum(p * left[need - 1 - a] for a, p in enumerate(accepted))
+        return step_times[k] + sum(p * left[need - 1 - a] for a, p in enumerate(accepted[k]))
 
     best = [0.0]  # best[m]: the least expected time to write m more tokens
     for need in range(1, n):
