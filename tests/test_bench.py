@@ -158,6 +158,8 @@ def test_markdown_tables_and_same_tokens_column(quick_report: tuple[dict[str, An
         assert title in markdown
     assert f"scenario 11 kjv-target (trained) Q8_0 {2 * MAX_TOKENS} tokens; the others {MAX_TOKENS}." in markdown
     assert f"scenario 11 kjv-target (trained) Q8_0 {2 * PAIRS} pairs; the others {PAIRS}." in markdown
+    # Both sides load the weights alike (a llama-server refusing --load-mode would have failed the run).
+    assert "both sides read the weights into memory (llama-server: --load-mode none)" in markdown
     auto = next(line for line in lines if line.startswith("`α auto` rows"))
     assert ", checkpoint + replay α=0.6 " in auto  # each target named as in its table, rollback and all
 

@@ -105,6 +105,27 @@ def test_gpu_layers_reach_llama_cpp_and_both_settings_run(tiny_lfm2: Path) -> No
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
 
 
+def test_weights_are_read_into_memory_unless_mapping_is_asked_for(tiny_lfm2: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "own-copy.gguf"  # a file no other test's engine has mapped
+    model.write_bytes(tiny_lfm2.read_bytes())
+
+    def mapped() -> bool:
+        return str(model) in Path("/proc/self/maps").read_text()
+
+    outputs = []
+    for argv in ([], ["--mmap"]):
+        config = _engine_config(parse("generate", "--prompt", "x", "--model", str(model), "--ctx", "256",
+                                      "--threads", "2", *argv), progress=False)
+        assert config.mmap is bool(argv)
+        with Engine(config) as engine:
+            assert mapped() is config.mmap
+            outputs.append(engine.generate(GenerationRequest(token_ids=[128000, 9906], max_tokens=8,
+                                                             ignore_eos=True)).token_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+    monkeypatch.setenv("HYSPEC_MMAP", "1")
+    assert _engine_config(parse("generate", "--prompt", "x", "--model", str(model)), progress=False).mmap
+
 def test_serve_defaults_to_the_bundled_pair_and_gemma_is_one_flag_away() -> None:
     from hyspec import models
     from hyspec.gemma import gemma_path

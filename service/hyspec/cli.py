@@ -95,6 +95,9 @@ def _engine_flags(p: EnvParser, slots: int, log_level: str, prefix_cache_mb: int
            help="target layers offloaded to the GPU, or 'all' (needs a CUDA/Metal/Vulkan build of llama.cpp)")
     p.flag(g, "--draft-gpu-layers", type=_gpu_layers,
            help="draft model layers offloaded to the GPU, or 'all' (default: as --gpu-layers)")
+    p.flag(g, "--mmap", action="store_true",
+           help="map the weights from the file, sharing them with other processes through the page cache "
+                "(default: read them into memory, which decodes unquantized weights faster)")
     p.flag(g, "--log-level", default=log_level, choices=LOG_LEVELS,
            help="log level (llama.cpp's own messages: warnings and errors; all of them at debug)")
     p.flag(g, "--log-format", default="text", choices=list(LOG_FORMATS),
@@ -245,7 +248,7 @@ def _engine_config(args: argparse.Namespace, max_queue: int = 64, progress: bool
                         rs_snapshots=args.rs_snapshots, slots=args.slots, ctx=args.ctx, threads=args.threads,
                         batch=args.batch, prefix_cache_mb=args.prefix_cache_mb,
                         suffix_cache_mb=args.suffix_cache_mb, gpu_layers=args.gpu_layers,
-                        draft_gpu_layers=draft_gpu_layers,
+                        draft_gpu_layers=draft_gpu_layers, mmap=args.mmap,
                         max_queue=max_queue, progress=progress)
 
 

@@ -64,6 +64,10 @@ class EngineConfig:
     # Layers offloaded to a GPU (-1: all); only a GPU build of llama.cpp uses them.
     gpu_layers: int = 0
     draft_gpu_layers: int = 0
+    # Map the weights from the file (shared with other processes through the page cache) instead
+    # of reading them into the process's memory: mapped F16 weights decoded ~4% slower here
+    # (LFM2-1.2B F16, 12 alternating pairs); repacked ones (Q8_0, Q4_K) are copied either way.
+    mmap: bool = False
     progress: bool = False
     record_shapes: bool = False  # Result.shapes: each token's batch shape, for hyspec.exactness
 
@@ -74,16 +78,16 @@ def _close_at_exit(ref: weakref.ref[Engine]) -> None:
         engine.close(grace=0)
 
 
-def _load(path: Path, gpu_layers: int, progress: bool) -> Model:
+def _load(path: Path, gpu_layers: int, progress: bool, mmap: bool) -> Model:
     if not progress:
-        return Model(str(path), n_gpu_layers=gpu_layers)
+        return Model(str(path), n_gpu_layers=gpu_layers, use_mmap=mmap)
     from tqdm import tqdm
 
     with tqdm(total=100, desc=f"loading {Path(path).name}", unit="%", leave=False) as bar:
         def update(fraction: float) -> None:
             bar.update(round(fraction * 100) - bar.n)
 
-        return Model(str(path), n_gpu_layers=gpu_layers, progress=update)
+        return Model(str(path), n_gpu_layers=gpu_layers, use_mmap=mmap, progress=update)
 
 
 def _check_layer_kinds(model: Model) -> None:
@@ -162,8 +166,9 @@ class Engine:
         """Load the models, make the contexts and the scheduler (on the worker thread)."""
         config = self.config
         threads = config.threads or os.cpu_count() or 1
-        self.model = _load(config.model, config.gpu_layers, config.progress)
-        self.draft_model = _load(config.draft, config.draft_gpu_layers, config.progress) if config.draft else None
+        self.model = _load(config.model, config.gpu_layers, config.progress, config.mmap)
+        self.draft_model = (_load(config.draft, config.draft_gpu_layers, config.progress, config.mmap)
+                            if config.draft else None)
         if self.draft_model is not None:
             check_same_vocab(self.model, self.draft_model)
         _check_layer_kinds(self.model)

@@ -52,6 +52,7 @@ class PeerConfig:
     threads: int = 2
     batch: int = 512
     cache: bool = False  # the server's prompt cache and context checkpoints, as it ships
+    mmap: bool = True  # map the weights from the file, as it ships (False: read them into memory)
 
     def argv(self, port: int) -> list[str]:
         t = str(self.threads)
@@ -60,6 +61,8 @@ class PeerConfig:
                 "-b", str(self.batch), "-ub", str(self.batch), "--no-webui", "-fit", "off", "--no-slots"]
         if not self.cache:
             argv += ["--cache-ram", "0", "--ctx-checkpoints", "0"]
+        if not self.mmap:
+            argv += ["--load-mode", "none"]
         if self.spec == "draft":
             if self.draft is None:
                 raise ValueError("speculation 'draft' needs a draft model")

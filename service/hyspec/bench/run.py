@@ -73,7 +73,9 @@ def _header(opts: Options, settings: Settings, info: dict, elapsed: float, start
         f"{'adaptive' if settings.adaptive_draft else 'fixed'} (fixed in scenario 4), llama-server's fixed; "
         f"llama-server runs each n-gram type, drafting at most draft-max tokens (ngram-mod: match "
         f"{NGRAM_MOD_MATCH}, n-min 1; ngram-simple and ngram-map-k: lookup 12); hyspec's prefix cache is off "
-        f"except in the cache scenarios",
+        f"except in the cache scenarios; both sides "
+        + ("map the weights from the file" if settings.mmap
+           else "read the weights into memory (llama-server: --load-mode none)"),
         f"- wall time of the run: {elapsed / 60:.1f} min",
         "",
         "",

@@ -41,6 +41,7 @@ class WorkerConfig:
     oracle: bool = False  # plug the controlled-acceptance drafter in as the n-gram mode
     rs_snapshots: int | None = None  # hybrid rollback: None the engine's default (a snapshot ring), 0 checkpoints
     prefix_cache_mb: int = 0  # the prefix cache: off unless a scenario measures it
+    mmap: bool = False  # map the weights from the file (EngineConfig.mmap)
 
 
 # -- the child ----------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ def _serve(config: WorkerConfig, stdin: IO[str], stdout: IO[str]) -> None:
                                  spec=SpecMode.OFF, draft_max=config.draft_max, adaptive_draft=config.adaptive_draft,
                                  rs_snapshots=config.rs_snapshots, slots=config.slots, ctx=config.ctx,
                                  threads=config.threads, batch=config.batch, max_queue=64,
-                                 prefix_cache_mb=config.prefix_cache_mb)
+                                 prefix_cache_mb=config.prefix_cache_mb, mmap=config.mmap)
     if config.oracle:
         oracle = OracleDrafter()
         overrides[SpecMode.NGRAM] = oracle
