@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import os
 import random
@@ -79,15 +80,16 @@ def _close_at_exit(ref: weakref.ref[Engine]) -> None:
 
 
 def _load(path: Path, gpu_layers: int, progress: bool, mmap: bool) -> Model:
+    load = functools.partial(Model, str(path), n_gpu_layers=gpu_layers, use_mmap=mmap)
     if not progress:
-        return Model(str(path), n_gpu_layers=gpu_layers, use_mmap=mmap)
+        return load()
     from tqdm import tqdm
 
     with tqdm(total=100, desc=f"loading {Path(path).name}", unit="%", leave=False) as bar:
         def update(fraction: float) -> None:
             bar.update(round(fraction * 100) - bar.n)
 
-        return Model(str(path), n_gpu_layers=gpu_layers, use_mmap=mmap, progress=update)
+        return load(progress=update)
 
 
 def _check_layer_kinds(model: Model) -> None:
