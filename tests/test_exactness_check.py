@@ -68,6 +68,37 @@ def test_near_equal_candidates_walked_by_logit_may_change_places() -> None:
     assert _cdf_bound(by_id, 1, 4, 0.005, 0.0) < _draw_distance(by_id, draw, 4)
 
 
+# A sampled request of the trained-pair concurrency test (seed 2, request 7: `auto`, a prefix-cache
+# hit), as the engine wrote it: its first token a near-tie of the draw, and its last one the
+# 42nd candidate of a top-40 whose tail lay within 0.009 logits, taken by a draw at 0.989.
+CUT_PROMPT = [1, 2861, 2292, 530, 2142, 2588, 1240, 3514, 1474, 3457, 2566, 1958, 183, 3184, 465, 1691, 3501, 660,
+              3999, 552, 432, 2281, 3416, 3288, 815, 1862, 2792, 2375, 163, 111, 2233, 724, 2075, 2716, 1807, 3665,
+              3993, 2429, 1173, 3246, 3495, 2810, 977, 1182, 341, 1686, 896, 3949, 1451, 1163, 1351, 399, 1430, 596,
+              2400, 3261, 3597, 3402, 1637, 1520, 2426, 3662, 829, 2244, 1223, 2819, 3530, 765, 2584, 1667, 4032, 356,
+              3952, 3431, 2185, 2259, 3401, 2853, 976]
+CUT_OUTPUT = [203, 536, 462, 423, 263, 735, 273, 516, 339, 348, 1015, 31, 443, 263, 1035, 273, 391, 16, 443, 402,
+              510, 299, 348, 291, 828, 30, 443, 970, 462, 781, 301, 402, 593, 299, 491]
+CUT_SAMPLING = SamplingParams(temperature=1.0, top_k=40, seed=1143800664)
+
+
+def test_a_token_just_past_the_cut_is_a_near_tie_only_where_the_draw_reaches_it(trained_target: Path) -> None:
+    """The chain cut the engine's token, but the noise of other batch shapes moves a cut that
+    flat: a near-tie where the draw lies at the end of the chain, a mismatch where it does not."""
+    history = CUT_PROMPT + CUT_OUTPUT[:-1]
+    ctx = N.Context(N.Model(str(trained_target)), n_ctx=256, n_batch=128, n_ubatch=128, n_seq_max=1, n_threads=2)
+    ctx.decode(np.asarray(history, np.int32), np.arange(len(history), dtype=np.int32),
+               np.zeros(len(history), np.int32), np.ones(len(history), bool))
+    ranks = {j: list(np.argsort(-ctx.logits(len(CUT_PROMPT) - 1 + j), kind="stable")) for j in (24, 34)}
+    assert ranks[34].index(CUT_OUTPUT[34]) >= 40  # outside the top 40
+    verdict = check(trained_target, CUT_PROMPT, CUT_OUTPUT, sampling=CUT_SAMPLING)
+    assert verdict.ok and [t.index for t in verdict.ties] == [0, 34], verdict.describe()
+    # Position 24: its draw (0.40) lies mid-chain; the token just past the cut is still not chosen.
+    wrong = CUT_OUTPUT[:24] + [int(ranks[24][40])]
+    verdict = check(trained_target, CUT_PROMPT, wrong, sampling=CUT_SAMPLING)
+    assert not verdict.ok and verdict.mismatch is not None and verdict.mismatch.index == 24, verdict.describe()
+    assert 0.1 < verdict.mismatch.gap < 1.0
+
+
 def test_a_requests_memory_is_described_in_the_batches_that_computed_it() -> None:
     """Trace.memory_chunks (what a prefix cache entry records): the prompt's chunks, then each
     decode's fed token and the drafts it accepted, in a batch of the decode's size; positions a

@@ -159,6 +159,11 @@ def _cdf_bound(logits: np.ndarray, plain: int, got: int, noise: float, edge_mass
     return max(reach, 0.0) + edge_mass
 
 
+def _chain_shift(raw: np.ndarray, ids: np.ndarray, logits: np.ndarray, temperature: float) -> float:
+    """The chain's logit of a token is its raw logit / temperature + this."""
+    return float(logits.max()) - float(raw[ids].max()) / temperature
+
+
 def _edge_mass(raw: np.ndarray, ids: np.ndarray, logits: np.ndarray, noise: float, temperature: float) -> float:
     """The probability (in the chain's distribution) of the tokens within ``noise`` of the
     edge of the chain's cut, on either side: those the noise can add to or take from it."""
@@ -167,8 +172,21 @@ def _edge_mass(raw: np.ndarray, ids: np.ndarray, logits: np.ndarray, noise: floa
     edge = float(raw[ids].min())
     near = (raw >= edge - noise) & (raw <= edge + noise)
     total = np.exp((logits - logits.max()).astype(np.float64)).sum()
-    scale = float(logits.max()) - float(raw[ids].max()) / temperature  # chain logit = raw / T + this
-    return float(np.exp(raw[near] / temperature + scale - logits.max()).sum() / total)
+    return float(np.exp(raw[near] / temperature + _chain_shift(raw, ids, logits, temperature)
+                        - logits.max()).sum() / total)
+
+
+def _let_in(ids: np.ndarray, logits: np.ndarray, raw: np.ndarray, token: int,
+            temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """The chain's candidates with ``token``, which it cut, put back where it would walk it:
+    by logit where the chain walks by logit (top-k and top-p sort), else by token id, at the
+    chain logit its raw logit maps to."""
+    value = np.float32(raw[token] / temperature + _chain_shift(raw, ids, logits, temperature))
+    if bool(np.all(np.diff(logits) <= 0)):
+        at = int(np.count_nonzero(logits >= value))
+    else:
+        at = int(np.count_nonzero(ids < token))
+    return np.insert(ids, at, token), np.insert(logits, at, value)
 
 
 def _decode_chunks(ctx: Context, tokens: list[int], start: int) -> None:
@@ -291,18 +309,20 @@ class _Judge:
 
     def __call__(self, walk: Context, index: int, plain: int, got: int, draw: float | None,
                  allow_ties: bool) -> Tie:
-        ids, logits = self._candidates(walk)
+        kept, kept_logits = ids, logits = self._candidates(walk)
+        raw = walk.logits(0)
+        cut = got not in {int(t) for t in kept}
+        if cut:
+            # The chain cut the token (top-k/top-p/min-p) in the plain run. Judged as if the noise
+            # had let it in, at the logit it has: the cut's edge is as flat as the tail it ends
+            # (the trained target: a draw at 0.989 of a top-40 whose last three candidates lay
+            # within 0.009 logits, and the engine took the 42nd).
+            ids, logits = _let_in(ids, logits, raw, got, self.temperature)
         position = {int(t): k for k, t in enumerate(ids)}
-        if got not in position:
-            # The chain cut the token (top-k/top-p/min-p) in the plain run: a tie only if the
-            # shapes that decoded it move the cut (a draw far in a flat tail meets that).
-            cut_moved = allow_ties and any(self._chooses(ctx, draw, got) for ctx in self._recomputed(index))
-            return Tie(index, plain, got, float("inf"), 0.0, cut_moved)
         a, b = position[plain], position[got]
         gap = float(logits[a] - logits[b]) if draw is None else _draw_distance(logits, draw, b)
         if not allow_ties:
-            return Tie(index, plain, got, gap, 0.0, False)
-        raw = walk.logits(0)
+            return Tie(index, plain, got, float("inf") if cut else gap, 0.0, False)
         # Noise: how far the recomputations move the two tokens' logits against each other
         # (greedy), or the candidates that carry the probability against each other (sampled).
         watched = [plain, got] if draw is None else [int(t) for t, lg in zip(ids, logits, strict=True)
@@ -316,10 +336,12 @@ class _Judge:
         # The engine's own cell layout is one more draw of the noise the replays sampled: allow
         # twice their largest (a wrong state moves logits by whole units, not hundredths).
         noise *= NOISE_MARGIN
+        if cut and raw[got] < float(raw[kept].min()) - noise:  # the noise cannot bring it in
+            return Tie(index, plain, got, float("inf"), noise, False)
         if draw is None:
             return Tie(index, plain, got, gap, noise, gap <= max(TIE_EPSILON, noise))
         # The chain divides logits by the temperature (penalties only shrink them further).
-        edge = _edge_mass(raw, ids, logits, noise, self.temperature)
+        edge = _edge_mass(raw, kept, kept_logits, noise, self.temperature)
         bound = _cdf_bound(logits, a, b, noise / self.temperature, edge)
         return Tie(index, plain, got, gap, noise, gap <= max(CDF_EPSILON, bound))
 
