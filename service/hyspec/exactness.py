@@ -19,10 +19,13 @@ recorded shapes are also replayed with the sequence's memory cells spread among 
 sequence's and starting anywhere in the buffer, as busy slots leave them (the order of the
 attention sums follows the cells). The difference is a near-tie when one of those
 recomputations, through the same chain and the same draw, chooses the output's token: batch
-shapes and cell layout alone explain it. Rollbacks, checkpoints and other slots are not
-reproduced, so a wrong state is not explained. A difference within ``TIE_EPSILON`` logits
-(greedy) or ``CDF_EPSILON`` of the draw (sampled) is a tie whatever the shapes. Anything else
-is a bug. The tests and ``hyspec bench`` share this code.
+shapes and cell layout alone explain it. Failing that, it is one when twice the largest noise
+those recomputations showed covers the margin (greedy) or the draw's distance (sampled); a token
+the sampling chain cut (top-k, top-p, min-p) counts only if that noise reaches the cut's edge,
+and is then judged where the chain would have walked it. Rollbacks, checkpoints and other slots
+are not reproduced, so a wrong state is not explained. A difference within ``TIE_EPSILON``
+logits (greedy) or ``CDF_EPSILON`` of the draw (sampled) is a tie whatever the shapes. Anything
+else is a bug. The tests and ``hyspec bench`` share this code.
 """
 
 from __future__ import annotations
