@@ -131,6 +131,11 @@ def _draw_distance(logits: np.ndarray, draw: float, index: int) -> float:
     return max(cumulative[index] - draw, draw - cumulative[index + 1], 0.0)
 
 
+def _walked_by_logit(logits: np.ndarray) -> bool:
+    """Does the chain walk its candidates by logit (top-k and top-p sort them), not by token id?"""
+    return bool(np.all(np.diff(logits) <= 0))
+
+
 def _cdf_bound(logits: np.ndarray, plain: int, got: int, noise: float, edge_mass: float) -> float:
     """How far logit noise of ``noise`` (each candidate's logit moved by at most that much
     against the others) can move candidate ``got``'s interval of the cumulative distribution
@@ -146,7 +151,7 @@ def _cdf_bound(logits: np.ndarray, plain: int, got: int, noise: float, edge_mass
     weights /= weights.sum()
     order = np.arange(len(logits))
     others = order != got
-    if bool(np.all(np.diff(logits) <= 0)):  # walked by logit: near-equal candidates may swap
+    if _walked_by_logit(logits):  # near-equal candidates may swap
         always_before = others & (logits > logits[got] + 2 * noise)
         maybe_before = others & (logits >= logits[got] - 2 * noise)
     else:  # walked in a fixed order (token ids): only the weights move
@@ -185,7 +190,7 @@ def _let_in(ids: np.ndarray, logits: np.ndarray, raw: np.ndarray, token: int,
     by logit where the chain walks by logit (top-k and top-p sort), else by token id, at the
     chain logit its raw logit maps to."""
     value = np.float32(raw[token] / temperature + _chain_shift(raw, ids, logits, temperature))
-    if bool(np.all(np.diff(logits) <= 0)):
+    if _walked_by_logit(logits):
         at = int(np.count_nonzero(logits >= value))
     else:
         at = int(np.count_nonzero(ids < token))
