@@ -7,6 +7,7 @@ tests on a shared machine measure the machine, not the code).
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -81,8 +82,10 @@ def test_both_sides_ran_alternating_pairs(quick_report: tuple[dict[str, Any], st
             length = 2 * MAX_TOKENS if r["number"] == 11 else MAX_TOKENS
             pairs = 2 * PAIRS if r["number"] == 11 else PAIRS
             assert r["max_tokens"] == length and r["pairs"] == pairs, r["name"]
+            assert r["starts"] == 2  # the default: every process started twice, half the pairs each
             for side in r["sides"].values():
                 assert len(side["runs"]) == pairs and side["peak_rss_kb"] > 0
+                assert len(side["pids"]) == pairs and len(set(side["pids"])) == 2
             s = r["summary"]
             assert set(s["tokens_per_second"]) == {"hyspec", "llama-server", "ratio", "per_pair", "best_peer"}
             assert len(s["tokens_per_second"]["per_pair"]) == pairs
@@ -417,3 +420,80 @@ def test_each_mode_of_the_worker_learns_from_its_own_earlier_requests_only(tiny_
     assert auto["accepted"] < answered // 2, auto
     for again in (ngram_again, auto_again):
         assert again["accepted"] >= answered // 2, again
+
+
+class _FakeProcess:
+    """A bench process that records what the runner did with it in a shared journal."""
+
+    count = 0
+
+    def __init__(self, name: str, journal: list[tuple[str, str, object]]) -> None:
+        _FakeProcess.count += 1
+        self.name, self.journal, self.pid = name, journal, 1000 + _FakeProcess.count
+        journal.append((name, "start", self.pid))
+
+    def wait_ready(self) -> None:
+        self.journal.append((self.name, "ready", self.pid))
+
+    def stop(self) -> None:
+        self.journal.append((self.name, "stop", self.pid))
+
+    def peak_rss_kb(self) -> int:
+        return self.pid
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def run(self, prompts: list[list[int]], *, max_tokens: int, spec: str = "", draft_max: int = 0) -> Any:
+        from hyspec.bench.records import Batch, Run
+
+        self.journal.append((self.name, "run", self.pid))
+        return Batch([Run(tokens=[1] * max_tokens, tokens_per_second=10.0, ttft_ms=1.0)], 0.1, {})
+
+
+@pytest.mark.parametrize("starts", [1, 2, 3])
+def test_a_versus_row_splits_its_pairs_among_starts_that_alternate_the_order(
+        starts: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Which process starts first moved a row by ~4% here: each start warms up every process and
+    then measures its share of the pairs, the next start puts the other side first, and each
+    process starts only once the one before it is ready."""
+    from hyspec.bench import runner as bench_runner
+    from hyspec.bench.models import ModelSpec
+    from hyspec.bench.scenarios import Versus
+
+    journal: list[tuple[str, str, object]] = []
+    monkeypatch.setattr(bench_runner, "_Checker", lambda model: type("NoCheck", (), {
+        "__call__": lambda self, *a: None, "verdict": lambda self, r: None})())
+    target = ModelSpec()
+    settings = bench_runner.Settings(llama_server=tmp_path / "llama-server", pairs=5, starts=starts, max_tokens=4)
+    runner = bench_runner.Runner(settings, {target: tmp_path / "m.gguf"}, log_dir=tmp_path)
+    monkeypatch.setattr(runner, "_worker", lambda config: _FakeProcess("hyspec", journal))
+    monkeypatch.setattr(runner, "_peer", lambda t, name, draft: _FakeProcess(name, journal))
+    sc = Versus(2, "n-gram", target, "ngram", "one two three")
+    result = runner._versus(sc, lambda line: None)
+
+    assert result.starts == starts and result.pairs == 5
+    names = ["hyspec", *sc.peers]
+    started = [(name, pid) for name, what, pid in journal if what == "start"]
+    assert len(started) == starts * len(names)
+    for k in range(starts):
+        batch = [name for name, _ in started[k * len(names):(k + 1) * len(names)]]
+        assert batch == (names if k % 2 == 0 else names[1:] + names[:1])
+    # Each process starts once the one before is ready, and every one is stopped.
+    for (name, what, pid), after in itertools.pairwise(journal):
+        if what == "start":
+            assert after == (name, "ready", pid)
+    stops = {pid: n for n, (_, what, pid) in enumerate(journal) if what == "stop"}
+    assert sorted(stops) == sorted(pid for _, pid in started)
+    for k in range(1, starts):  # a start's processes are gone before the next start begins
+        first = journal.index((started[k * len(names)][0], "start", started[k * len(names)][1]))
+        assert all(stops[pid] < first for _, pid in started[(k - 1) * len(names):k * len(names)])
+    # Each start measures its share of the pairs after a warm-up on every process it started.
+    shares = [len(range(5 * k // starts, 5 * (k + 1) // starts)) for k in range(starts)]
+    for side_name, side in result.sides.items():
+        assert len(side.runs) == 5
+        assert [side.pids.count(pid) for pid in dict.fromkeys(side.pids)] == shares, side_name
+    for k, (name, pid) in enumerate(started):
+        runs = sum(1 for who, what, p in journal if what == "run" and p == pid)
+        per_request = len(sc.modes) if name == "hyspec" else 1
+        assert runs == per_request * (1 + shares[k // len(names)]), (name, k)

@@ -218,6 +218,9 @@ def build_parser() -> EnvParser:
     b.flag(b, "--models-dir", type=Path, help="where generated bench models are cached (default: in the cache)")
     b.flag(b, "--max-tokens", type=_positive, help="tokens per request (default: 64; 32 with --quick)")
     b.flag(b, "--pairs", type=_positive, default=3, help="measured hyspec/llama-server pairs after the warm-up")
+    b.flag(b, "--starts", type=_positive, default=2,
+           help="process starts per versus row, hyspec's and llama-server's in alternating order, the pairs "
+                "split among them (a process's own speed varies by a few percent)")
     b.flag(b, "--draft-max", type=_positive, default=8, help="most draft tokens per step, both sides")
     b.flag(b, "--threads", type=_non_negative, default=0, help="CPU threads, both sides (0: all cores)")
     b.flag(b, "--ctx", type=_positive, default=4096, help="context tokens per slot, both sides")
@@ -345,8 +348,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     return run_bench(Options(quick=args.quick, only=args.scenarios, out=args.out, markdown=args.markdown,
                              llama_server=args.llama_server, models_dir=args.models_dir, max_tokens=args.max_tokens,
-                             pairs=args.pairs, draft_max=args.draft_max, threads=args.threads, ctx=args.ctx,
-                             batch=args.batch, fixed_draft=args.fixed_draft, prepare_only=args.prepare_only))
+                             pairs=args.pairs, starts=args.starts, draft_max=args.draft_max,
+                             threads=args.threads, ctx=args.ctx, batch=args.batch, fixed_draft=args.fixed_draft,
+                             prepare_only=args.prepare_only))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,6 +37,7 @@ class Options:
     models_dir: Path | None = None
     max_tokens: int | None = None  # None: 64, or 32 with --quick
     pairs: int = 3
+    starts: int = 2  # process starts per versus row, in alternating order
     draft_max: int = 8
     threads: int = 0  # 0: every core
     ctx: int = 4096
@@ -69,7 +70,9 @@ def _header(opts: Options, settings: Settings, info: dict, elapsed: float, start
         f"- llama.cpp {LLAMA_CPP_PIN} (both sides), llama-server `{settings.llama_server}`",
         f"- every request: {settings.max_tokens} tokens greedy (ignore EOS), draft-max {settings.draft_max}, "
         f"{settings.threads} threads, context {settings.ctx} per slot, batch {settings.batch}; "
-        f"warm-up then {settings.pairs} alternating pairs, medians; hyspec draft length "
+        f"warm-up then {settings.pairs} alternating pairs, medians; versus rows split their pairs among "
+        f"{settings.starts} start(s) of every process, each warmed up, the start order alternating; "
+        f"hyspec draft length "
         f"{'adaptive' if settings.adaptive_draft else 'fixed'} (fixed in scenario 4), llama-server's fixed; "
         f"llama-server runs each n-gram type, drafting at most draft-max tokens (ngram-mod: match "
         f"{NGRAM_MOD_MATCH}, n-min 1; ngram-simple and ngram-map-k: lookup 12); hyspec's prefix cache is off "
@@ -99,7 +102,8 @@ def run_bench(opts: Options) -> int:
         raise FileNotFoundError(f"llama-server not found at {binary}: build it with `make llama-server` "
                                 "(or pass --llama-server PATH, built from the pinned llama.cpp tree)")
     settings = Settings(llama_server=binary, max_tokens=opts.max_tokens or (32 if opts.quick else 64),
-                        pairs=opts.pairs, draft_max=opts.draft_max, threads=opts.threads or os.cpu_count() or 1,
+                        pairs=opts.pairs, starts=opts.starts, draft_max=opts.draft_max,
+                        threads=opts.threads or os.cpu_count() or 1,
                         ctx=opts.ctx, batch=opts.batch, adaptive_draft=not opts.fixed_draft)
     load = load_average()
     if load is not None and load > BUSY_LOAD:

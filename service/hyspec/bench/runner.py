@@ -62,6 +62,10 @@ class Settings:
     # --load-mode none), or mapped from the file. Reading them decodes F16 weights ~4% faster on
     # either side here, which is no part of what speculation does.
     mmap: bool = False
+    # Each versus row starts its processes this many times and splits its pairs among the starts:
+    # two processes doing the same work differ here by up to ~4%, a luck that one start per side
+    # would carry into the row's ratio.
+    starts: int = 2
 
 
 @dataclass
@@ -71,7 +75,8 @@ class Side:
     runs: list[Run] = field(default_factory=list)  # one per request, in order
     batches: list[float] = field(default_factory=list)  # wall seconds of each measured batch
     timers: list[dict[str, float]] = field(default_factory=list)  # hyspec's rollback timers per batch
-    peak_rss_kb: int | None = None
+    peak_rss_kb: int | None = None  # the largest of the processes that served it
+    pids: list[int] = field(default_factory=list)  # versus rows: the process that served each batch
 
     def add(self, batch: Batch) -> None:
         self.runs += batch.runs
@@ -108,6 +113,17 @@ class Result:
     retried: int = 0  # controlled-acceptance runs repeated after a near-tie took them off the reference
     max_tokens: int = 0  # each answer's length in a versus scenario (0: the others, which answer the bench's)
     pairs: int = 0  # a versus scenario's measured pairs
+    starts: int = 1  # a versus scenario's process starts per side, the pairs split among them
+
+
+@dataclass
+class _Requests:
+    """What a versus row sends every side: prompt 0 is the warm-up, pair i gets prompt i + 1;
+    an agentic row's pair first opens its session with ``openings[i + 1]``."""
+
+    prompts: list[list[int]]
+    openings: list[list[int]]
+    max_tokens: int
 
 
 class _Checker:
@@ -214,67 +230,100 @@ class Runner:
     def _versus(self, sc: Versus, progress: Callable[[str], None]) -> Result:
         result = Result("versus", sc.number, sc.name, sc.target.label, sc.spec, goal=sc.goal,
                         draft=sc.draft.label if sc.draft else None)
-        hyspec = {mode: result.sides.setdefault(side_name(HYSPEC, mode, sc.spec), Side()) for mode in sc.modes}
-        llama = {peer: result.sides.setdefault(side_name(LLAMA, peer, sc.spec), Side()) for peer in sc.peers}
-        with contextlib.ExitStack() as stack:
-            worker = self._worker(self._worker_config(sc.target, sc.draft))
-            stack.callback(worker.stop)
-            peers = {}
-            for peer in sc.peers:
-                peers[peer] = self._peer(sc.target, peer, sc.draft)
-                stack.callback(peers[peer].stop)
-            for process in (worker, *peers.values()):
-                process.wait_ready()
-            args = {"max_tokens": self.s.max_tokens}
-
-            def on_hyspec(prompt: list[int], mode: str) -> Batch:
-                return worker.run([prompt], spec=mode, draft_max=self.s.draft_max, **args)
-
-            # Prompt 0 is the warm-up; pair i gets prompt i + 1 on every side.
-            pairs = result.pairs = sc.pair_scale * self.s.pairs
-            openings: list[list[int]] = []  # agentic: the first request of each pair's session
-            if sc.agentic:
-                openings, prompts = self._agentic_sessions(sc, worker, pairs)
-            else:
-                prompts = [worker.tokenize(variant(sc.prompt, i)) for i in range(pairs + 1)]
-            result.prompt_tokens = len(prompts[0])
-            args["max_tokens"] = result.max_tokens = min(
-                sc.answer_scale * self.s.max_tokens,
-                self._ctx(sc.target) - max(len(p) for p in (*prompts, *openings)) - 1)
-
-            def unmeasured(prompt: list[int], modes: tuple[str, ...]) -> None:
-                for mode in modes:
-                    on_hyspec(prompt, mode)
-                for peer in peers.values():
-                    peer.run([prompt], **args)
-
-            # Every drafting side answers a session's first request, as a server asked to edit
-            # its own answer has written it (plain decoding keeps nothing across requests).
-            drafting = tuple(mode for mode in sc.modes if mode != "off")
-            if openings:
-                unmeasured(openings[0], drafting)
-            unmeasured(prompts[0], sc.modes)  # the warm-up
-            order = [(HYSPEC, mode) for mode in hyspec] + [(LLAMA, name) for name in peers]
-            for i in range(pairs):
-                if openings:
-                    unmeasured(openings[i + 1], drafting)
-                for who, setting in _shuffled(order, result, i):
-                    if who == HYSPEC:
-                        hyspec[setting].add(on_hyspec(prompts[i + 1], setting))
-                    else:
-                        llama[setting].add(peers[setting].run([prompts[i + 1]], **args))
-                progress(f"pair {i + 1}/{pairs}: " + ", ".join(
-                    f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
-            for side in hyspec.values():
-                side.peak_rss_kb = worker.peak_rss_kb()
-            for name, peer in peers.items():
-                llama[name].peak_rss_kb = peer.peak_rss_kb()
+        for mode in sc.modes:
+            result.sides[side_name(HYSPEC, mode, sc.spec)] = Side()
+        for peer in sc.peers:
+            result.sides[side_name(LLAMA, peer, sc.spec)] = Side()
+        pairs = result.pairs = sc.pair_scale * self.s.pairs
+        result.starts = min(self.s.starts, pairs)
+        requests: _Requests | None = None
+        for start in range(result.starts):
+            with contextlib.ExitStack() as stack:
+                worker, peers = self._versus_processes(stack, sc, peers_first=start % 2 == 1)
+                if requests is None:
+                    requests = self._versus_requests(sc, worker, result)
+                measured = range(pairs * start // result.starts, pairs * (start + 1) // result.starts)
+                self._versus_pairs(sc, result, requests, worker, peers, measured, progress)
+        assert requests is not None
         check = _Checker(self.paths[sc.target])
         for side in result.sides.values():
             for i, run in enumerate(side.runs):
-                check(prompts[i + 1], run.tokens)
+                check(requests.prompts[i + 1], run.tokens)
         check.verdict(result)
         return result
+
+    def _versus_requests(self, sc: Versus, worker: HyspecWorker, result: Result) -> _Requests:
+        """Every side's prompts (and agentic openings), and the answers' length that fits them."""
+        pairs = result.pairs
+        openings: list[list[int]] = []
+        if sc.agentic:
+            openings, prompts = self._agentic_sessions(sc, worker, pairs)
+        else:
+            prompts = [worker.tokenize(variant(sc.prompt, i)) for i in range(pairs + 1)]
+        result.prompt_tokens = len(prompts[0])
+        result.max_tokens = min(sc.answer_scale * self.s.max_tokens,
+                                self._ctx(sc.target) - max(len(p) for p in (*prompts, *openings)) - 1)
+        return _Requests(prompts, openings, result.max_tokens)
+
+    def _versus_pairs(self, sc: Versus, result: Result, requests: _Requests, worker: HyspecWorker,
+                      peers: dict[str, LlamaServer], measured: range, progress: Callable[[str], None]) -> None:
+        """The warm-up, then pairs ``measured``, on one start of the processes."""
+        args = {"max_tokens": requests.max_tokens}
+
+        def on_hyspec(prompt: list[int], mode: str) -> Batch:
+            return worker.run([prompt], spec=mode, draft_max=self.s.draft_max, **args)
+
+        def unmeasured(prompt: list[int], modes: tuple[str, ...]) -> None:
+            for mode in modes:
+                on_hyspec(prompt, mode)
+            for peer in peers.values():
+                peer.run([prompt], **args)
+
+        # Every drafting side answers a session's first request, as a server asked to edit its
+        # own answer has written it (plain decoding keeps nothing across requests).
+        drafting = tuple(mode for mode in sc.modes if mode != "off")
+        openings, prompts = requests.openings, requests.prompts
+        if openings:
+            unmeasured(openings[0], drafting)
+        unmeasured(prompts[0], sc.modes)  # the warm-up
+        order = [(HYSPEC, mode) for mode in sc.modes] + [(LLAMA, name) for name in peers]
+        for i in measured:
+            if openings:
+                unmeasured(openings[i + 1], drafting)
+            for who, setting in _shuffled(order, result, i):
+                side = result.sides[side_name(who, setting, sc.spec)]
+                process = worker if who == HYSPEC else peers[setting]
+                side.add(on_hyspec(prompts[i + 1], setting) if who == HYSPEC else
+                         peers[setting].run([prompts[i + 1]], **args))
+                side.pids.append(process.pid)
+            progress(f"pair {i + 1}/{result.pairs}: " + ", ".join(
+                f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
+        for who, setting in order:
+            side = result.sides[side_name(who, setting, sc.spec)]
+            process = worker if who == HYSPEC else peers[setting]
+            side.peak_rss_kb = max(side.peak_rss_kb or 0, process.peak_rss_kb() or 0) or None
+
+    def _versus_processes(self, stack: contextlib.ExitStack, sc: Versus,
+                          peers_first: bool) -> tuple[HyspecWorker, dict[str, LlamaServer]]:
+        """hyspec's worker and one llama-server per n-gram type (or the one), each started once
+        the one before it is ready, stopped with ``stack``. Which process starts first moves its
+        speed here by a few percent (how the VM backs a new process's memory depends on what
+        ran before), so successive starts of a row alternate the order."""
+        names = [HYSPEC, *sc.peers]
+        if peers_first:
+            names = names[1:] + names[:1]
+        worker: HyspecWorker | None = None
+        peers: dict[str, LlamaServer] = {}
+        for name in names:
+            process: HyspecWorker | LlamaServer
+            if name == HYSPEC:
+                worker = process = self._worker(self._worker_config(sc.target, sc.draft))
+            else:
+                peers[name] = process = self._peer(sc.target, name, sc.draft)
+            stack.callback(process.stop)
+            process.wait_ready()
+        assert worker is not None
+        return worker, {name: peers[name] for name in sc.peers}
 
     def _agentic_sessions(self, sc: Versus, worker: HyspecWorker,
                           pairs: int) -> tuple[list[list[int]], list[list[int]]]:
