@@ -178,6 +178,18 @@ def configured_args(build: Path) -> list[str] | None:
     return record.read_text().splitlines() if record.exists() else None
 
 
+def stale_reason(build: Path, src: Path, configure: list[str]) -> str | None:
+    """Why the configured ``build`` cannot be reused for ``src`` and ``configure`` (None: it
+    can, or nothing is configured there yet)."""
+    if not (build / "CMakeCache.txt").exists():
+        return None
+    if configured_source(build) not in (None, str(src)):
+        return "was configured for another llama.cpp tree"
+    if configured_args(build) != configure:
+        return "was configured with other arguments"
+    return None
+
+
 def cmake_build(kind: str, base_args: list[str], extra: list[str], targets: list[str], install: bool) -> Path:
     src = source_dir()
     key = build_key(kind, extra)
@@ -185,11 +197,9 @@ def cmake_build(kind: str, base_args: list[str], extra: list[str], targets: list
     prefix = cache_dir() / "prefix" / key
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     configure = ["-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_INSTALL_PREFIX={prefix}", *base_args, *with_arch_flags(extra)]
-    if configured_source(build) not in (None, str(src)):
-        log(f"{build} was configured for another llama.cpp tree: starting it afresh")
-        shutil.rmtree(build)
-    elif (build / "CMakeCache.txt").exists() and configured_args(build) != configure:
-        log(f"{build} was configured with other arguments: starting it afresh")
+    reason = stale_reason(build, src, configure)
+    if reason is not None:
+        log(f"{build} {reason}: starting it afresh")
         shutil.rmtree(build)
     if not (build / "CMakeCache.txt").exists():
         log(f"configuring {kind} build in {build} (first time: several minutes)")

@@ -136,3 +136,19 @@ def test_compiler_flags_of_the_user_keep_the_ones_the_machine_needs(monkeypatch:
         f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}", "-DCMAKE_CXX_FLAGS_RELEASE=-O2"]
     monkeypatch.setattr(script.platform, "machine", lambda: "aarch64")
     assert script.with_arch_flags(["-DCMAKE_C_FLAGS=-O3"]) == ["-DCMAKE_C_FLAGS=-O3"]
+
+
+def test_a_cached_build_is_reused_only_for_its_tree_and_arguments(tmp_path: Path) -> None:
+    """The build cache lives outside the clone and outlives it: a build configured for another
+    llama.cpp tree or with other arguments is started afresh, never built on."""
+    script = _build_script()
+    build, src, configure = tmp_path / "build", tmp_path / "llama.cpp", ["-DCMAKE_BUILD_TYPE=Release", "-DX=1"]
+    assert script.stale_reason(build, src, configure) is None  # nothing configured yet
+    build.mkdir()
+    (build / "CMakeCache.txt").write_text(f"CMAKE_HOME_DIRECTORY:INTERNAL={src}\n")
+    (build / script.CONFIGURE_RECORD).write_text("\n".join(configure) + "\n")
+    assert script.stale_reason(build, src, configure) is None
+    assert script.stale_reason(build, src, [*configure, "-DGGML_CUDA=ON"]) == "was configured with other arguments"
+    assert script.stale_reason(build, tmp_path / "other", configure) == "was configured for another llama.cpp tree"
+    (build / script.CONFIGURE_RECORD).unlink()  # configured before the arguments were recorded
+    assert script.stale_reason(build, src, configure) == "was configured with other arguments"
