@@ -306,9 +306,9 @@ class Runner:
     def _versus_processes(self, stack: contextlib.ExitStack, sc: Versus,
                           peers_first: bool) -> tuple[HyspecWorker, dict[str, LlamaServer]]:
         """hyspec's worker and one llama-server per n-gram type (or the one), each started once
-        the one before it is ready, stopped with ``stack``. Which process starts first moves its
-        speed here by a few percent (how the VM backs a new process's memory depends on what
-        ran before), so successive starts of a row alternate the order."""
+        the one before it is ready, stopped with ``stack``. Two processes doing the same work
+        differ here by a few percent, the order of starting among the suspects, so successive
+        starts of a row alternate the order."""
         names = [HYSPEC, *sc.peers]
         if peers_first:
             names = names[1:] + names[:1]
