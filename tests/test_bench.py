@@ -454,9 +454,9 @@ class _FakeProcess:
 @pytest.mark.parametrize("starts", [1, 2, 3])
 def test_a_versus_row_splits_its_pairs_among_starts_that_alternate_the_order(
         starts: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Which process starts first moved a row by ~4% here: each start warms up every process and
-    then measures its share of the pairs, the next start puts the other side first, and each
-    process starts only once the one before it is ready."""
+    """Two processes doing the same work differ here by a few percent, partly by which started
+    first: each start warms up every process and then measures its share of the pairs, the next
+    start puts the other side first, and each process starts only once the one before it is ready."""
     from hyspec.bench import runner as bench_runner
     from hyspec.bench.models import ModelSpec
     from hyspec.bench.scenarios import Versus
