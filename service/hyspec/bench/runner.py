@@ -123,7 +123,6 @@ class _Requests:
 
     prompts: list[list[int]]
     openings: list[list[int]]
-    max_tokens: int
 
 
 class _Checker:
@@ -253,7 +252,7 @@ class Runner:
         return result
 
     def _versus_requests(self, sc: Versus, worker: HyspecWorker, result: Result) -> _Requests:
-        """Every side's prompts (and agentic openings), and the answers' length that fits them."""
+        """Every side's prompts (and agentic openings); sets the result's answer length that fits them."""
         pairs = result.pairs
         openings: list[list[int]] = []
         if sc.agentic:
@@ -263,12 +262,12 @@ class Runner:
         result.prompt_tokens = len(prompts[0])
         result.max_tokens = min(sc.answer_scale * self.s.max_tokens,
                                 self._ctx(sc.target) - max(len(p) for p in (*prompts, *openings)) - 1)
-        return _Requests(prompts, openings, result.max_tokens)
+        return _Requests(prompts, openings)
 
     def _versus_pairs(self, sc: Versus, result: Result, requests: _Requests, worker: HyspecWorker,
                       peers: dict[str, LlamaServer], measured: range, progress: Callable[[str], None]) -> None:
         """The warm-up, then pairs ``measured``, on one start of the processes."""
-        args = {"max_tokens": requests.max_tokens}
+        args = {"max_tokens": result.max_tokens}
 
         def on_hyspec(prompt: list[int], mode: str) -> Batch:
             return worker.run([prompt], spec=mode, draft_max=self.s.draft_max, **args)
@@ -287,20 +286,19 @@ class Runner:
             unmeasured(openings[0], drafting)
         unmeasured(prompts[0], sc.modes)  # the warm-up
         order = [(HYSPEC, mode) for mode in sc.modes] + [(LLAMA, name) for name in peers]
+        process_of = {(who, setting): worker if who == HYSPEC else peers[setting] for who, setting in order}
         for i in measured:
             if openings:
                 unmeasured(openings[i + 1], drafting)
             for who, setting in _shuffled(order, result, i):
                 side = result.sides[side_name(who, setting, sc.spec)]
-                process = worker if who == HYSPEC else peers[setting]
                 side.add(on_hyspec(prompts[i + 1], setting) if who == HYSPEC else
                          peers[setting].run([prompts[i + 1]], **args))
-                side.pids.append(process.pid)
+                side.pids.append(process_of[who, setting].pid)
             progress(f"pair {i + 1}/{result.pairs}: " + ", ".join(
                 f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
-        for who, setting in order:
+        for (who, setting), process in process_of.items():
             side = result.sides[side_name(who, setting, sc.spec)]
-            process = worker if who == HYSPEC else peers[setting]
             side.peak_rss_kb = max(side.peak_rss_kb or 0, process.peak_rss_kb() or 0) or None
 
     def _versus_processes(self, stack: contextlib.ExitStack, sc: Versus,
