@@ -292,9 +292,10 @@ class Runner:
                 unmeasured(openings[i + 1], drafting)
             for who, setting in _shuffled(order, result, i):
                 side = result.sides[side_name(who, setting, sc.spec)]
+                process = process_of[who, setting]
                 side.add(on_hyspec(prompts[i + 1], setting) if who == HYSPEC else
-                         peers[setting].run([prompts[i + 1]], **args))
-                side.pids.append(process_of[who, setting].pid)
+                         process.run([prompts[i + 1]], **args))
+                side.pids.append(process.pid)
             progress(f"pair {i + 1}/{result.pairs}: " + ", ".join(
                 f"{name} {side.runs[-1].tokens_per_second:.1f}" for name, side in result.sides.items()) + " tok/s")
         for (who, setting), process in process_of.items():
