@@ -452,11 +452,12 @@ class _FakeProcess:
 
 
 @pytest.mark.parametrize("starts", [1, 2, 3])
-def test_a_versus_row_splits_its_pairs_among_starts_that_alternate_the_order(
+def test_a_versus_row_splits_its_pairs_among_starts_that_reverse_the_order(
         starts: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Two processes doing the same work differ here by a few percent, partly by which started
     first: each start warms up every process and then measures its share of the pairs, the next
-    start puts the other side first, and each process starts only once the one before it is ready."""
+    start reverses the order (each llama-server type starts before the worker as often as after
+    it, as far from it), and each process starts only once the one before it is ready."""
     from hyspec.bench import runner as bench_runner
     from hyspec.bench.models import ModelSpec
     from hyspec.bench.scenarios import Versus
@@ -478,7 +479,7 @@ def test_a_versus_row_splits_its_pairs_among_starts_that_alternate_the_order(
     assert len(started) == starts * len(names)
     for k in range(starts):
         batch = [name for name, _ in started[k * len(names):(k + 1) * len(names)]]
-        assert batch == (names if k % 2 == 0 else names[1:] + names[:1])
+        assert batch == (names if k % 2 == 0 else names[::-1])
     # Each process starts once the one before is ready, and every one is stopped.
     for (name, what, pid), after in itertools.pairwise(journal):
         if what == "start":

@@ -219,7 +219,7 @@ def build_parser() -> EnvParser:
     b.flag(b, "--max-tokens", type=_positive, help="tokens per request (default: 64; 32 with --quick)")
     b.flag(b, "--pairs", type=_positive, default=3, help="measured hyspec/llama-server pairs after the warm-up")
     b.flag(b, "--starts", type=_positive, default=2,
-           help="process starts per versus row, hyspec's and llama-server's in alternating order, the pairs "
+           help="process starts per versus row, each in the reverse order of the one before, the pairs "
                 "split among them (a process's own speed varies by a few percent)")
     b.flag(b, "--draft-max", type=_positive, default=8, help="most draft tokens per step, both sides")
     b.flag(b, "--threads", type=_non_negative, default=0, help="CPU threads, both sides (0: all cores)")

@@ -238,7 +238,7 @@ class Runner:
         requests: _Requests | None = None
         for start in range(result.starts):
             with contextlib.ExitStack() as stack:
-                worker, peers = self._versus_processes(stack, sc, peers_first=start % 2 == 1)
+                worker, peers = self._versus_processes(stack, sc, reverse=start % 2 == 1)
                 if requests is None:
                     requests = self._versus_requests(sc, worker, result)
                 measured = range(pairs * start // result.starts, pairs * (start + 1) // result.starts)
@@ -303,14 +303,16 @@ class Runner:
             side.peak_rss_kb = max(side.peak_rss_kb or 0, process.peak_rss_kb() or 0) or None
 
     def _versus_processes(self, stack: contextlib.ExitStack, sc: Versus,
-                          peers_first: bool) -> tuple[HyspecWorker, dict[str, LlamaServer]]:
+                          reverse: bool) -> tuple[HyspecWorker, dict[str, LlamaServer]]:
         """hyspec's worker and one llama-server per n-gram type (or the one), each started once
         the one before it is ready, stopped with ``stack``. Two processes doing the same work
-        differ here by a few percent, the order of starting among the suspects, so successive
-        starts of a row alternate the order."""
+        differ here by a few percent, a process started later reading faster, so successive
+        starts of a row reverse the order: every two processes then meet both ways round, as
+        far apart each way. (Rotated, as until b74, the worker went from first to last while
+        ngram-mod went from last to third: it never started before the worker.)"""
         names = [HYSPEC, *sc.peers]
-        if peers_first:
-            names = names[1:] + names[:1]
+        if reverse:
+            names.reverse()
         worker: HyspecWorker | None = None
         peers: dict[str, LlamaServer] = {}
         for name in names:
