@@ -308,8 +308,8 @@ class Runner:
         the one before it is ready, stopped with ``stack``. Two processes doing the same work
         differ here by a few percent, a process started later reading faster, so successive
         starts of a row reverse the order: every two processes then meet both ways round, as
-        far apart each way. (Rotated, as until b74, the worker went from first to last while
-        ngram-mod went from last to third: it never started before the worker.)"""
+        far apart each way (a rotation would start the last llama-server type before the
+        worker in no start)."""
         names = [HYSPEC, *sc.peers]
         if reverse:
             names.reverse()
