@@ -6,12 +6,14 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from exactness import assert_plain
+from hyspec.drafters.draft_model import DraftModelDrafter
 from hyspec.engine import Engine, EngineConfig
 from hyspec.output import OutputStream
 from hyspec.types import (
@@ -615,6 +617,27 @@ def test_the_trained_pair_speculates_exactly(trained_target: Path, trained_draft
                 drafted, accepted, rollbacks = (drafted + result.stats.drafted, accepted + result.stats.accepted,
                                                 rollbacks + result.stats.rollbacks)
     assert rollbacks > 0 and 0.25 < accepted / drafted < 0.95
+
+
+def test_close_frees_the_contexts_and_the_cached_prefixes(tiny_lfm2: Path, tiny_lfm2_q8: Path,
+                                                          make_engine: EngineFactory) -> None:
+    """A caller may keep a closed engine object: its KV memory and cached prefixes go at close,
+    not when the object is collected. The models stay, for tokenize and detokenize."""
+    engine = make_engine(tiny_lfm2, draft=tiny_lfm2_q8, prefix_cache_mb=64)
+    drafter = engine.speculator.model
+    assert isinstance(drafter, DraftModelDrafter) and engine.cache is not None and drafter.cache is not None
+    engine.generate(request(PROMPTS[2], SpecMode.DRAFT, max_tokens=8))
+    while engine.scheduler.busy:  # the caches are filled after the result is sent
+        time.sleep(0.01)
+    assert engine.cache.entries and drafter.cache.entries
+    engine.close()
+    assert engine.ctx.closed and drafter.ctx.closed
+    assert not engine.cache.entries and not drafter.cache.entries
+    assert engine.detokenize(engine.tokenize("Hello world", add_special=False)) == "Hello world"
+    with pytest.raises(RequestError) as refused:
+        engine.generate(request(PROMPTS[2], SpecMode.DRAFT, max_tokens=8))
+    assert refused.value.code is ErrorCode.UNAVAILABLE
+    engine.close()  # closing again does nothing
 
 
 def test_an_engine_left_open_at_exit_does_not_abort_the_process(tiny_lfm2: Path) -> None:

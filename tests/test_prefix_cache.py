@@ -5,6 +5,7 @@ conversations and cancels, each against a fresh engine without the cache, on a h
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -217,7 +218,8 @@ def test_entries_hold_no_kv_cells_between_requests(target: Path, make_engine: Fa
     second = run(engine, P1 + first.token_ids + [7000, 7001])
     assert second.stats.cached_tokens >= len(P1)
     same_as_fresh(fresh, target, P1 + first.token_ids + [7000, 7001], second)
-    engine.close()  # the worker has stored the entry and let go of the context
+    while engine.scheduler.busy:  # the worker stores the entry after it has sent the result
+        time.sleep(0.01)
     assert len(engine.cache.entries) == 1  # the second turn's entry replaced the first's
     held = []
     for seq in range(64):  # every sequence id of the context holds no cells
@@ -226,6 +228,8 @@ def test_entries_hold_no_kv_cells_between_requests(target: Path, make_engine: Fa
         except N.InvalidArgumentError:
             break
     assert held == [-1, -1, -1]  # two slots and the cache's scratch sequence
+    engine.close()  # frees the entries' host memory with the context
+    assert not engine.cache.entries and engine.ctx.closed
 
 
 def test_cancel_during_a_prefill_that_started_from_the_cache(target: Path, make_engine: Factory) -> None:

@@ -369,16 +369,26 @@ class Engine:
 
     def close(self, grace: float | None = None) -> None:
         """Stop accepting, let running requests finish for up to ``grace`` seconds (None: wait
-        for them), cancel the rest and stop the worker."""
+        for them), cancel the rest, stop the worker and free the contexts' memory. The models
+        stay loaded: tokenize and detokenize still work. Closing again does nothing."""
         with self._lock:
             self._accepting = False
-        if not self._thread.is_alive():
-            return
-        deadline = None if grace is None else time.monotonic() + grace
-        while self.scheduler.busy and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.02)
-        self.scheduler.stop()
-        self._thread.join()
+        if self._thread.is_alive():
+            deadline = None if grace is None else time.monotonic() + grace
+            while self.scheduler.busy and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.02)
+            self.scheduler.stop()
+            self._thread.join()
+        self._free_contexts()
+
+    def _free_contexts(self) -> None:
+        """The worker is gone, so nothing uses the contexts: free their KV memory and the prefix
+        caches now, not when the engine object is collected (a caller may keep holding it)."""
+        if self.cache is not None:
+            self.cache.clear()
+        if isinstance(self.speculator.model, DraftModelDrafter):
+            self.speculator.model.close()
+        self.ctx.close()
 
     @property
     def accepting(self) -> bool:

@@ -54,6 +54,12 @@ class DraftModelDrafter:
         recurrent = self.rollback.method is not RollbackMethod.SEQ_RM
         self.cache = PrefixCache(self.ctx, sizing, recurrent=recurrent) if sizing.scratch_seq is not None else None
 
+    def close(self) -> None:
+        """Free the draft context's memory (its engine has stopped)."""
+        if self.cache is not None:
+            self.cache.clear()
+        self.ctx.close()
+
     def propose(self, items: list[DraftItem]) -> list[Draft]:
         drafts: dict[int, list[int]] = {item.seq: [] for item in items}
         active = [item for item in items if item.max_len > 0]
