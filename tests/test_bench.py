@@ -10,6 +10,7 @@ import io
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -498,3 +499,54 @@ def test_a_versus_row_splits_its_pairs_among_starts_that_reverse_the_order(
         runs = sum(1 for who, what, p in journal if what == "run" and p == pid)
         per_request = len(sc.modes) if name == "hyspec" else 1
         assert runs == per_request * (1 + shares[k // len(names)]), (name, k)
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is ``pid``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def test_sigterm_stops_every_process_the_run_started_and_reports_the_scenarios_that_finished(
+        tmp_path: Path) -> None:
+    """A run told to stop (SIGTERM, as `timeout` and service managers send) must not leave its
+    llama-servers and workers running with their models in memory, and a long run's finished
+    scenarios must not be lost."""
+    binary = Path(os.environ.get("HYSPEC_LLAMA_SERVER", default_binary()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYSPEC_") or k == "HYSPEC_CACHE"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hyspec", "bench", "--quick", "--scenarios", "1,2", "--llama-server", str(binary),
+         "--models-dir", str(tmp_path / "models"), "--out", str(tmp_path / "report.json"),
+         "--markdown", str(tmp_path / "report.md"), "--max-tokens", "8", "--pairs", "1", "--starts", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    try:
+        for line in proc.stderr:  # scenario 1 finished: scenario 2 is starting its processes
+            if "done in" in line:
+                break
+        seen: set[int] = set()
+        deadline = time.monotonic() + 120
+        while len(seen) < 2 and time.monotonic() < deadline:  # the worker and a llama-server at least
+            seen |= _children(proc.pid)
+            time.sleep(0.05)
+        assert len(seen) >= 2, "scenario 2 started no processes"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130, rest[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # The run waited for each child it stopped: none is left, not even as a zombie.
+    assert not [pid for pid in seen if Path(f"/proc/{pid}").exists()]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["interrupted"] is True
+    assert [(r["number"], r["error"]) for r in report["results"]] == [(1, None)]
+    assert "interrupted" in (tmp_path / "report.md").read_text()

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
 
 from hyspec import __version__
 from hyspec.bench import report, scenarios
@@ -25,6 +30,7 @@ from hyspec.paths import LLAMA_CPP_PIN
 log = logging.getLogger("hyspec.bench")
 
 BUSY_LOAD = 0.5  # a 1-minute load average above this before the run: the figures will suffer
+INTERRUPTED = 130  # the exit code of a run stopped by SIGINT or SIGTERM (its report holds what finished)
 
 
 @dataclass
@@ -58,7 +64,7 @@ def _scenario_list(opts: Options) -> list[scenarios.Scenario]:
     return chosen
 
 
-def _header(opts: Options, settings: Settings, info: dict, elapsed: float, started: str) -> str:
+def _header(opts: Options, settings: Settings, info: dict, elapsed: float, started: str, interrupted: bool) -> str:
     cmd = shlex.join(["hyspec", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("hyspec") else "hyspec bench"
     return "\n".join([
         f"## hyspec bench {'--quick ' if opts.quick else ''}({started})",
@@ -72,22 +78,46 @@ def _header(opts: Options, settings: Settings, info: dict, elapsed: float, start
         f"{settings.threads} threads, context {settings.ctx} per slot, batch {settings.batch}; "
         f"warm-up then {settings.pairs} alternating pairs, medians; versus rows split their pairs among "
         f"{settings.starts} start(s) of every process, each warmed up, the start order "
-        f"reversed from one start to the next; "
-        f"hyspec draft length "
+        "reversed from one start to the next; hyspec draft length "
         f"{'adaptive' if settings.adaptive_draft else 'fixed'} (fixed in scenario 4), llama-server's fixed; "
         f"llama-server runs each n-gram type, drafting at most draft-max tokens (ngram-mod: match "
         f"{NGRAM_MOD_MATCH}, n-min 1; ngram-simple and ngram-map-k: lookup 12); hyspec's prefix cache is off "
         f"except in the cache scenarios; both sides "
         + ("map the weights from the file" if settings.mmap
            else "read the weights into memory (llama-server: --load-mode none)"),
-        f"- wall time of the run: {elapsed / 60:.1f} min",
+        f"- wall time of the run: {elapsed / 60:.1f} min"
+        + (": **interrupted**, only the scenarios below finished" if interrupted else ""),
         "",
         "",
     ])
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the run as Ctrl-C does. Its default action would end this process alone and
+    leave the llama-servers and workers it started running, each holding its model in memory;
+    unwinding stops them. A second SIGTERM while they stop is ignored, so that it cannot cut the
+    unwinding short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set on the main thread
+        return
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        log.warning("SIGTERM: stopping the run")
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_bench(opts: Options) -> int:
-    """Run the benchmark; 0 when every scenario ran and every output was exact, else 1."""
+    """Run the benchmark; 0 when every scenario ran and every output was exact, 1 when one failed
+    or differed, INTERRUPTED when SIGINT or SIGTERM stopped it (the report then holds the
+    scenarios that finished)."""
     started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     chosen = _scenario_list(opts)
     models_dir = opts.models_dir or default_models_dir()
@@ -115,30 +145,35 @@ def run_bench(opts: Options) -> int:
     info["omp_wait_policy"] = runner.env.get("OMP_WAIT_POLICY", "(unset)")
     results: list[Result] = []
     t_run = time.perf_counter()
+    interrupted = False
     try:
-        for k, sc in enumerate(chosen, 1):
-            what = f"{sc.number} {scenarios.SCENARIO_TITLES[sc.number]}: {sc.name}"
-            log.info("[%d/%d] scenario %s (%s) ...", k, len(chosen), what, ", ".join(t.label for t in sc.targets))
+        with _sigterm_interrupts():
+            for k, sc in enumerate(chosen, 1):
+                what = f"{sc.number} {scenarios.SCENARIO_TITLES[sc.number]}: {sc.name}"
+                log.info("[%d/%d] scenario %s (%s) ...", k, len(chosen), what, ", ".join(t.label for t in sc.targets))
 
-            t_sc = time.perf_counter()
-            try:
-                results += runner.run(sc, lambda msg: log.info("  %s", msg))
-            except (WorkerError, PeerError, ServiceError, OSError, TimeoutError) as e:
-                log.error("scenario %s failed: %s", what, e)
-                results.append(Result(sc.kind, sc.number, sc.name, sc.targets[0].label, getattr(sc, "spec", ""),
-                                      error=str(e).splitlines()[0], exact=False, same_tokens="error"))
-            log.info("  done in %.0f s (%.1f min so far)", time.perf_counter() - t_sc,
-                     (time.perf_counter() - t_run) / 60)
+                t_sc = time.perf_counter()
+                try:
+                    results += runner.run(sc, lambda msg: log.info("  %s", msg))
+                except (WorkerError, PeerError, ServiceError, OSError, TimeoutError) as e:
+                    log.error("scenario %s failed: %s", what, e)
+                    results.append(Result(sc.kind, sc.number, sc.name, sc.targets[0].label, getattr(sc, "spec", ""),
+                                          error=str(e).splitlines()[0], exact=False, same_tokens="error"))
+                log.info("  done in %.0f s (%.1f min so far)", time.perf_counter() - t_sc,
+                         (time.perf_counter() - t_run) / 60)
+    except KeyboardInterrupt:
+        interrupted = True
+        log.warning("interrupted: the report holds the %d result(s) that finished", len(results))
     finally:
         runner.close()
     elapsed = time.perf_counter() - t_run
 
     summaries = [report.summarize(r) for r in results]
     goals = report.goals(results, summaries)
-    text = _header(opts, settings, info, elapsed, started) + report.markdown(results, summaries, goals)
+    text = _header(opts, settings, info, elapsed, started, interrupted) + report.markdown(results, summaries, goals)
     print(text)
     doc = {"hyspec": __version__, "llama_cpp": LLAMA_CPP_PIN, "started": started, "quick": opts.quick,
-           "command": sys.argv, "elapsed_s": elapsed, "machine": info,
+           "command": sys.argv, "elapsed_s": elapsed, "interrupted": interrupted, "machine": info,
            "settings": {**asdict(settings), "llama_server": str(settings.llama_server)},
            "results": report.to_json(results, summaries), "goals": goals}
     opts.out.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +182,8 @@ def run_bench(opts: Options) -> int:
     if opts.markdown is not None:
         opts.markdown.write_text(text + "\n")
         log.info("wrote %s", opts.markdown)
+    if interrupted:
+        return INTERRUPTED
     ok = all(r.error is None and r.exact for r in results)
     if not ok:
         log.error("some scenario failed or produced different tokens: see the 'same tokens' column")
