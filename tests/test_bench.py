@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from hyspec.bench.peer import default_binary
+from hyspec.bench.runner import child_env
 from hyspec.bench.worker import WorkerConfig, _serve
 from hyspec.drafters.suffix import SuffixDrafter
 
@@ -26,17 +27,21 @@ MAX_TOKENS = 32
 PAIRS = 2
 
 
-@pytest.fixture(scope="module")
-def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, subprocess.CompletedProcess]:
+def _quick_bench(out: Path, *args: str) -> list[str]:
+    """`hyspec bench --quick ARGS` against the built llama-server, its models and reports in ``out``
+    (run it with ``child_env()``: no HYSPEC_* flag twin of ours may reach it)."""
     binary = Path(os.environ.get("HYSPEC_LLAMA_SERVER", default_binary()))
     assert binary.is_file(), f"llama-server not built ({binary}): run `make llama-server` (make test does)"
+    return [sys.executable, "-m", "hyspec", "bench", "--quick", "--llama-server", str(binary),
+            "--models-dir", str(out / "models"), "--out", str(out / "report.json"),
+            "--markdown", str(out / "report.md"), *args]
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("bench")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYSPEC_") or k == "HYSPEC_CACHE"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "hyspec", "bench", "--quick", "--llama-server", str(binary),
-         "--models-dir", str(out / "models"), "--out", str(out / "report.json"), "--markdown", str(out / "report.md"),
-         "--max-tokens", str(MAX_TOKENS), "--pairs", str(PAIRS)],
-        capture_output=True, text=True, timeout=540, env=env)
+    proc = subprocess.run(_quick_bench(out, "--max-tokens", str(MAX_TOKENS), "--pairs", str(PAIRS)),
+                          capture_output=True, text=True, timeout=540, env=child_env())
     assert proc.returncode == 0, f"hyspec bench --quick failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads((out / "report.json").read_text()), (out / "report.md").read_text(), proc
 
@@ -520,13 +525,9 @@ def test_sigterm_stops_every_process_the_run_started_and_reports_the_scenarios_t
     """A run told to stop (SIGTERM, as `timeout` and service managers send) must not leave its
     llama-servers and workers running with their models in memory, and a long run's finished
     scenarios must not be lost."""
-    binary = Path(os.environ.get("HYSPEC_LLAMA_SERVER", default_binary()))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYSPEC_") or k == "HYSPEC_CACHE"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hyspec", "bench", "--quick", "--scenarios", "1,2", "--llama-server", str(binary),
-         "--models-dir", str(tmp_path / "models"), "--out", str(tmp_path / "report.json"),
-         "--markdown", str(tmp_path / "report.md"), "--max-tokens", "8", "--pairs", "1", "--starts", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        _quick_bench(tmp_path, "--scenarios", "1,2", "--max-tokens", "8", "--pairs", "1", "--starts", "1"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env())
     assert proc.stderr is not None
     seen: set[int] = set()
     try:
